@@ -4,31 +4,19 @@ from the pool's queue) -- and never again if it finishes after the stop."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
-import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import zmq
 from native_keys import keys_of
+from native_stop import STALL_LIMIT_S, dealer, let_go_after_the_last_turn, replies_to, wait_for
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.wire import protocol as p
 
 CHUNK = 4096
-#: how long a stalled copy waits for the test at most (the test never relies on it)
-STALL_LIMIT_S = 60.0
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting: {what}")
-        time.sleep(0.01)
 
 
 def _accounted(server: TiersServer) -> int:
@@ -37,21 +25,6 @@ def _accounted(server: TiersServer) -> int:
     return (
         stats.store_chunks + sum(stats.store_keys_skipped.values()) + sum(stats.store_keys_refused.values())
     )
-
-
-@contextlib.contextmanager
-def _dealer(endpoint: str) -> Iterator[zmq.Socket[bytes]]:
-    """A raw socket to the server: it sends requests without waiting for their replies."""
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 20_000)
-    try:
-        sock.connect(endpoint)
-        yield sock
-    finally:
-        sock.close()
-        context.term()
 
 
 def _send_inline_store(sock: zmq.Socket[bytes], request: int) -> None:
@@ -76,7 +49,7 @@ def test_inline_stores_the_drain_gives_up_on_count_their_keys_once(
         return lend(obj, fill=fill)
 
     monkeypatch.setattr(storage, "lend", stalled)
-    with _dealer(server.endpoint) as sock:
+    with dealer(server.endpoint) as sock:
         _send_inline_store(sock, 20)
         _send_inline_store(sock, 21)
         wait_for(
@@ -109,7 +82,7 @@ def test_an_inline_store_whose_commit_raises_gives_its_reservations_back(
         raise RuntimeError("the commit broke")
 
     monkeypatch.setattr(storage, "commit_reserved", broken)
-    with _dealer(server.endpoint) as sock:
+    with dealer(server.endpoint) as sock:
         _send_inline_store(sock, 30)
         (header,) = sock.recv_multipart()
     reply = p.reply_decoder.decode(header)
@@ -121,31 +94,15 @@ def test_an_inline_store_whose_commit_raises_gives_its_reservations_back(
     assert _accounted(server) == 4
 
 
-def _replies_to(frontend: Any, monkeypatch: pytest.MonkeyPatch, request: int) -> list[p.Reply]:
-    """The replies the front end sends to ``request`` (filled in as they are sent)."""
-    sent: list[p.Reply] = []
-    send = frontend.rpc.router.send
-
-    def recording(frames: list[Any]) -> bool:
-        reply = p.reply_decoder.decode(bytes(frames[1]))
-        if reply.req_id == request:
-            sent.append(reply)
-        return bool(send(frames))
-
-    monkeypatch.setattr(frontend.rpc.router, "send", recording)
-    return sent
-
-
 def _copy_ends_as_the_stop_gives_up(
     server: TiersServer, monkeypatch: pytest.MonkeyPatch, *, fails: bool = True
 ) -> None:
     """Inline copies stall until the stop, then fail (or finish) after the loop's last
     turn: the store's completion is queued, never handled by the loop, when the stop
     looks at it."""
-    storage, frontend = server.storage, server.frontends[0]
-    handlers, router = frontend.handlers, frontend.rpc.router
+    storage = server.storage
     lend = storage.lend
-    go_on = threading.Event()
+    go_on = let_go_after_the_last_turn(server, monkeypatch)
 
     def stalled_then_broken(obj: Any, *, fill: bool = False) -> Any:
         go_on.wait(STALL_LIMIT_S)  # still copying when the stop comes
@@ -153,15 +110,7 @@ def _copy_ends_as_the_stop_gives_up(
             raise RuntimeError("the copy broke")
         return lend(obj, fill=fill)
 
-    give_up = handlers._give_up_inline_stores
-
-    def fail_the_copy_then_give_up() -> Any:
-        go_on.set()
-        wait_for(lambda: len(router._completions) == 1, "the copy never failed")
-        return give_up()
-
     monkeypatch.setattr(storage, "lend", stalled_then_broken)
-    monkeypatch.setattr(handlers, "_give_up_inline_stores", fail_the_copy_then_give_up)
 
 
 @pytest.mark.parametrize("force", [True, False], ids=["forced", "drain_deadline"])
@@ -174,8 +123,8 @@ def test_an_inline_store_failing_as_the_stop_comes_is_counted_logged_and_answere
     server = make_server(frontends=[{"type": "native", "pool_workers": 1}], shutdown_timeout_s=0.2)
     storage, frontend = server.storage, server.frontends[0]
     _copy_ends_as_the_stop_gives_up(server, monkeypatch)
-    sent = _replies_to(frontend, monkeypatch, 40)
-    with _dealer(server.endpoint) as sock:
+    sent = replies_to(frontend, monkeypatch, 40)
+    with dealer(server.endpoint) as sock:
         _send_inline_store(sock, 40)
         wait_for(lambda: storage.status()["l1"]["write_locked"] == 4, "the store copying")
         frontend.stop(force=force)
@@ -200,8 +149,8 @@ def test_an_inline_store_stored_as_a_forced_stop_comes_is_answered_once(
     server = make_server(frontends=[{"type": "native", "pool_workers": 1}])
     storage, frontend = server.storage, server.frontends[0]
     _copy_ends_as_the_stop_gives_up(server, monkeypatch, fails=False)
-    sent = _replies_to(frontend, monkeypatch, 50)
-    with _dealer(server.endpoint) as sock:
+    sent = replies_to(frontend, monkeypatch, 50)
+    with dealer(server.endpoint) as sock:
         _send_inline_store(sock, 50)
         wait_for(lambda: storage.status()["l1"]["write_locked"] == 4, "the store copying")
         frontend.stop(force=True)

@@ -169,8 +169,8 @@ class Handlers:
         self._handle_base = secrets.randbits(_HANDLE_BASE_BITS)
         self._expired_results = BurstLog(logger, "prefetch_result_expired")
         self._layout_mismatches = BurstLog(logger, "retrieve_layout_mismatch")
-        #: STORE_INLINEs handed to the pool whose keys are not counted yet (loop thread only)
-        self._inline_stores: set[InlineStore] = set()
+        #: requests handed to the pool and not answered yet (loop thread only)
+        self._pool_requests: set[PoolRequest] = set()
         self._table: dict[type[p._Request], Callable[[Any, bytes, Frames], Response | Deferred]] = {
             p.Hello: self.hello,
             p.Ping: self.ping,
@@ -262,7 +262,7 @@ class Handlers:
                 def reply(hits: int | None) -> Response:
                     return p.LookupReply(req_id, handle=wire_handle, hits=hits), ()
 
-                return self._wait(identity, handle, now + req.wait_s, reply, "lookup_wait")
+                return self._wait(identity, req.req_id, handle, now + req.wait_s, reply, "lookup_wait")
             return p.LookupReply(req.req_id, handle=wire_handle), ()
         # Done at once (the usual all-in-L1 case): the prefix is this client's now.  The
         # keys are the decoder's remembered objects, which the session's dicts match by
@@ -321,11 +321,14 @@ class Handlers:
         def reply(hits: int | None) -> Response:
             return p.PrefetchStatusReply(req.req_id, hits=hits), ()
 
-        return self._wait(identity, handle, time.monotonic() + req.timeout_s, reply, "prefetch_wait")
+        return self._wait(
+            identity, req.req_id, handle, time.monotonic() + req.timeout_s, reply, "prefetch_wait"
+        )
 
     def _wait(
         self,
         identity: bytes,
+        req_id: int,
         handle: int,
         deadline: float,
         reply: Callable[[int | None], Response],
@@ -353,7 +356,7 @@ class Handlers:
             return finish
 
         self._waited.add(handle)
-        return Deferred(work, kind, cleanup=lambda: self._waited.discard(handle))
+        return self._run_on_pool(identity, req_id, work, kind, cleanup=lambda: self._waited.discard(handle))
 
     def _wait_until(self, handle: int, deadline: float) -> int | None:
         # Sliced so a shutdown cancels waiting clients promptly instead of after their
@@ -514,31 +517,11 @@ class Handlers:
         if any(view.nbytes == 0 for view in views):
             raise HandlerError(p.ErrorCode.INVALID_ARGUMENT, "empty payload frame")
         layouts = _layouts(req.layouts, len(keys))
-        store = InlineStore(identity, req.req_id, len(keys))
-        self._inline_stores.add(store)
-
-        def work() -> Finish:
-            if store.given_up:  # dropped by the stop before it ran: its keys are counted
-                return self._given_up_reply(req.req_id)
-            try:
-                written = self._write_inline(store, req, views, layouts)
-            except BaseException as exc:
-                # Its ending raises the error, on the loop thread, where it is refused (and
-                # its keys counted under the error's code): at its completion, or at the
-                # stop when that completion is never handled.
-                failed = functools.partial(_raise, exc)
-                if not store.settle(lambda: failed):
-                    return self._given_up_reply(req.req_id)
-                written = True
-            return store.answer if written else self._given_up_reply(req.req_id)
-
-        def forget() -> None:
-            self._inline_stores.discard(store)
-
-        return Deferred(work, "store_inline", cleanup=forget)
+        store = PoolRequest(identity, req.req_id, len(keys))
+        return self._on_pool(store, lambda: self._write_inline(store, req, views, layouts), "store_inline")
 
     def _write_inline(
-        self, store: InlineStore, req: p.StoreInline, views: list[memoryview], layouts: list[str] | None
+        self, store: PoolRequest, req: p.StoreInline, views: list[memoryview], layouts: list[str] | None
     ) -> bool:
         """On the pool: reserve, copy and commit a STORE_INLINE's payloads, settling
         ``store`` with how it ended; False (nothing committed, its reservations given
@@ -596,32 +579,87 @@ class Handlers:
             stored.discard(key)
         return p.StoreReply(req.req_id, done=done), ()
 
+    # -- the pool's requests ----------------------------------------------------------------
+
+    def _on_pool(
+        self,
+        request: PoolRequest,
+        run: Callable[[], bool],
+        kind: str,
+        cleanup: Callable[[], None] | None = None,
+    ) -> Deferred:
+        """``request`` for the pool: ``run`` does its work and settles it (False: the stop
+        gave up on it first).  It is answered once, by whichever of its completion and
+        the stop comes first (:meth:`give_up_pool_requests`)."""
+        self._pool_requests.add(request)
+
+        def work() -> Finish:
+            if request.given_up:  # dropped by the stop before it ran: counted there
+                return self._given_up_reply(request.req_id)
+            try:
+                settled = run()
+            except BaseException as exc:
+                # Its ending raises the error, on the loop thread, where it is refused (a
+                # store's keys counted under the error's code): at its completion, or at
+                # the stop when that completion is never handled.
+                failed = functools.partial(_raise, exc)
+                settled = request.settle(lambda: failed)
+            return request.answer if settled else self._given_up_reply(request.req_id)
+
+        def forget() -> None:
+            self._pool_requests.discard(request)
+            if cleanup is not None:
+                cleanup()
+
+        return Deferred(work, kind, cleanup=forget)
+
+    def _run_on_pool(
+        self,
+        identity: bytes,
+        req_id: int,
+        work: Callable[[], Callable[[], Response]],
+        kind: str,
+        cleanup: Callable[[], None] | None = None,
+    ) -> Deferred:
+        """:meth:`_on_pool` for a request whose ``work`` returns its loop-thread finisher,
+        kept as its ending."""
+        request = PoolRequest(identity, req_id)
+
+        def run() -> bool:
+            ending = work()  # not under the request's lock: the stop never waits for the work
+            return request.settle(lambda: ending)
+
+        return self._on_pool(request, run, kind, cleanup)
+
     @staticmethod
     def _given_up_reply(req_id: int) -> Callable[[], Response]:
-        """The reply of a STORE_INLINE the stop gave up on, finishing late: its keys and
-        the refusal were counted (and logged) at the stop, so nothing is counted here."""
-        message = "server is shutting down: the store was given up at the drain deadline"
+        """The reply of a request the stop gave up on, finishing late: it (and a store's
+        keys) was counted and logged at the stop, so nothing is counted here."""
+        message = "server is shutting down: the request was given up at the drain deadline"
         return lambda: (p.ErrorReply(req_id, p.ErrorCode.SHUTTING_DOWN.value, message), ())
 
-    def _give_up_inline_stores(self) -> list[InlineStore]:
-        """At the stop: STORE_INLINEs still copying when the drain ended, or dropped from
-        the pool's queue before they ran, are never answered nor committed; their keys
-        are counted as refused here (and not again if a copy finishes later).  Those that
-        ended but were not answered yet are returned, to be answered (and counted as they
-        ended) by the stop: a forced stop never handles their completions."""
-        stores, self._inline_stores = self._inline_stores, set()
-        ended = [store for store in stores if not store.give_up()]
-        given_up = [store for store in stores if store.given_up]
+    def give_up_pool_requests(self) -> list[PoolRequest]:
+        """At the stop: requests still running on the pool when the drain ended, or
+        dropped from its queue before they ran, are never answered (nor a store
+        committed); they and a store's keys are counted as refused here (and not again
+        if one finishes later).  Those that ended but were not answered yet are returned,
+        to be answered (and counted as they ended) by the stop: a forced stop never
+        handles their completions."""
+        requests, self._pool_requests = self._pool_requests, set()
+        ended = [request for request in requests if not request.give_up()]
+        given_up = [request for request in requests if request.given_up]
         if not given_up:
             return ended
-        keys = sum(store.keys for store in given_up)
+        stores = [request.keys for request in given_up if request.keys]
         self.stats.failure("shutting_down", len(given_up))
-        self.stats.store_keys_refused["shutting_down"] += keys
+        if stores:
+            self.stats.store_keys_refused["shutting_down"] += sum(stores)
         logger.warning(
-            "%d STORE_INLINE requests given up at the stop (still copying at the drain deadline, "
-            "or not started): not answered, none of their %d keys stored",
+            "%d pool requests given up at the stop (still running at the drain deadline, or not "
+            "started): not answered; %d of them STORE_INLINEs, none of their %d keys stored",
             len(given_up),
-            keys,
+            len(stores),
+            sum(stores),
         )
         return ended
 
@@ -702,7 +740,7 @@ class Handlers:
 
             return finish
 
-        return Deferred(work, "retrieve_inline")
+        return self._run_on_pool(identity, req.req_id, work, "retrieve_inline")
 
     def _of_reader_layouts(
         self, keys: Sequence[ObjectKey], objects: list[Any], wanted: list[str] | None, not_before: float
@@ -798,15 +836,13 @@ class Handlers:
             cleared = storage.clear(force=force)
             return lambda: (p.ClearReply(req.req_id, cleared=cleared), ())
 
-        return Deferred(work, "clear")
+        return self._run_on_pool(identity, req.req_id, work, "clear")
 
     def evict(self, req: p.Evict, identity: bytes, frames: Frames) -> Response:
         return p.EvictReply(req.req_id, evicted=self.storage.evict(req.keys)), ()
 
-    def release_everything(self) -> list[InlineStore]:
-        """Shutdown: give back every lock and reservation any client still holds.  The
-        STORE_INLINEs that ended but were not answered are returned, for the stop to answer."""
-        unanswered = self._give_up_inline_stores()
+    def release_everything(self) -> None:
+        """Shutdown: give back every lock and reservation any client still holds."""
         now = time.monotonic()
         self.collect_prefetches(now)
         locks = writes = 0
@@ -823,22 +859,23 @@ class Handlers:
             session.prefetches.clear()
         self.stats.released_at_stop_locks = locks
         self.stats.released_at_stop_reservations = writes
-        return unanswered
 
 
-class InlineStore:
-    """A STORE_INLINE handed to the pool, until its keys are counted -- exactly once: by
-    its reply on the loop thread, or at the stop when that never comes (the drain gave up
-    on it, or the pool's queue dropped it before it ran).
+class PoolRequest:
+    """A request handed to the pool, until it is counted and answered -- exactly once: at
+    its completion on the loop thread, or at the stop when that never comes (the drain
+    gave up on it, the pool's queue dropped it before it ran, or it ended after the
+    loop's last turn).
 
-    The pool thread settles it (commits, or not, and keeps how it ended) under the lock
-    the stop takes to give up on it, so exactly one of the two happens: a store given up
-    on is never committed, and one that ended is counted and answered as it ended, by
-    whichever of its completion and the stop comes first."""
+    The pool thread settles it (a store commits, or not; every request keeps how it
+    ended) under the lock the stop takes to give up on it, so exactly one of the two
+    happens: a store given up on is never committed, and a request that ended is counted
+    and answered as it ended, by whichever of its completion and the stop comes first."""
 
-    def __init__(self, identity: bytes, req_id: int, keys: int) -> None:
+    def __init__(self, identity: bytes, req_id: int, keys: int = 0) -> None:
         self.identity = identity
         self.req_id = req_id
+        #: the keys a STORE_INLINE names, to be counted as refused when it is given up
         self.keys = keys
         self._lock = threading.Lock()
         self.given_up = False
@@ -849,19 +886,23 @@ class InlineStore:
         self._answered = False
 
     def settle(self, end: Callable[[], Callable[[], Response]]) -> bool:
-        """Pool thread: run ``end`` (the commit, if any) and keep the ending it returns --
-        unless the stop gave up on the store first: then False, and ``end`` is not run."""
+        """Pool thread: run ``end`` (a store's commit) and keep the ending it returns, or
+        the error it raises, as one step the stop sees whole -- unless the stop gave up on
+        the request first: then False, and ``end`` is not run."""
         with self._lock:
             if self.given_up:
                 return False
+            try:
+                self._ending = end()
+            except BaseException as exc:
+                self._ending = functools.partial(_raise, exc)
             self._ended = True
-            self._ending = end()
             return True
 
     def give_up(self) -> bool:
-        """Loop thread, at the stop: True if the store had not ended (now it never does:
-        its keys are the caller's to count); False if it had (it is the stop's to answer,
-        since its completion may never be handled)."""
+        """Loop thread, at the stop: True if the request had not ended (now it never does:
+        it is the caller's to count); False if it had (it is the stop's to answer, since
+        its completion may never be handled)."""
         with self._lock:
             if not self._ended:
                 self.given_up = True
@@ -869,8 +910,8 @@ class InlineStore:
         return False
 
     def answer(self) -> Response | None:
-        """Loop thread: count how the store ended and build its reply (or raise its error),
-        once; None to whichever of its completion and the stop asks second."""
+        """Loop thread: count how the request ended and build its reply (or raise its
+        error), once; None to whichever of its completion and the stop asks second."""
         if self._answered:
             return None
         self._answered = True

@@ -99,11 +99,13 @@ class RpcServer:
         )
 
     def _shut_down(self) -> None:
-        """Give back what clients hold; answer the inline stores that ended unanswered (a
-        forced stop never handles their completions): each is counted as it ended, its
-        client told while the socket is still open."""
-        for store in self.handlers.release_everything():
-            self._finish(store.identity, store.req_id, store.answer, store.keys)
+        """Answer the pool's requests that ended unanswered (a forced stop never handles
+        their completions): each is counted as it ended, its client told while the socket
+        is still open.  Only then give back what clients hold: the locks a wait answered
+        here hands its client are given back with the rest."""
+        for request in self.handlers.give_up_pool_requests():
+            self._finish(request.identity, request.req_id, request.answer, request.keys)
+        self.handlers.release_everything()
 
     def _sweep(self, now: float) -> None:
         self.handlers.collect_prefetches(now)
@@ -235,7 +237,7 @@ class RpcServer:
 
     def _finish(self, identity: bytes, req_id: int, finish: Finish, store_keys: int) -> None:
         """Send what ``finish`` builds (nothing for None: answered already), or refuse the
-        request with the error it raises -- an error the pool's work met, for a store."""
+        request with the error it raises -- an error the pool's work met."""
         try:
             result = finish()
         except BaseException as exc:

@@ -1,0 +1,188 @@
+"""Every request the pool runs -- inline RETRIEVE, CLEAR, WAIT_PREFETCH_STATUS, a LOOKUP
+that waits -- is answered, counted and logged once however it ends: a forced stop never
+handles a completion queued after the loop's last turn, so the stop answers those itself,
+and a completion handled after that (at a drain deadline) sends and counts nothing again."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import zmq
+from native_keys import keys_of
+from native_stop import STALL_LIMIT_S, dealer, let_go_after_the_last_turn, replies_to, wait_for
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.wire import protocol as p
+
+CHUNK = 4096
+REQUEST = 60
+#: the storage handle a prefetch that has to go to L2 is given in these tests
+HANDLE = 7
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How to make one kind of pool request stall until the stop, then end; and the
+    reply it gets when it ends well."""
+
+    #: patches the storage call the request stalls in; ``end`` then raises or returns
+    stall: Callable[[TiersServer, pytest.MonkeyPatch, Callable[[], Any]], None]
+    #: sends the request (numbered REQUEST) on the socket
+    send: Callable[[TiersServer, zmq.Socket[bytes], list[ObjectKey]], None]
+    ended_well: type[p._Reply]
+
+
+def _store(server: TiersServer, sock: zmq.Socket[bytes], keys: list[ObjectKey]) -> None:
+    header = p.encoder.encode(p.StoreInline(1, "", keys))
+    sock.send_multipart([header, *(b"x" * CHUNK for _ in keys)])
+    (reply,) = sock.recv_multipart()
+    assert isinstance(p.reply_decoder.decode(reply), p.StoreReply)
+
+
+def _stall_retrieve(server: TiersServer, monkeypatch: pytest.MonkeyPatch, end: Callable[[], Any]) -> None:
+    storage = server.storage
+    lend = storage.lend
+
+    def stalled(obj: Any, *, fill: bool = False) -> Any:
+        if not fill:
+            end()
+        return lend(obj, fill=fill)
+
+    monkeypatch.setattr(storage, "lend", stalled)
+
+
+def _send_retrieve(server: TiersServer, sock: zmq.Socket[bytes], keys: list[ObjectKey]) -> None:
+    sock.send(p.encoder.encode(p.Retrieve(REQUEST, "", keys, inline=True)))
+
+
+def _stall_clear(server: TiersServer, monkeypatch: pytest.MonkeyPatch, end: Callable[[], Any]) -> None:
+    storage = server.storage
+    clear = storage.clear
+
+    def stalled(*, force: bool = False) -> int:
+        end()
+        return clear(force=force)
+
+    monkeypatch.setattr(storage, "clear", stalled)
+
+
+def _send_clear(server: TiersServer, sock: zmq.Socket[bytes], keys: list[ObjectKey]) -> None:
+    sock.send(p.encoder.encode(p.Clear(REQUEST, "")))
+
+
+def _stall_prefetch(server: TiersServer, monkeypatch: pytest.MonkeyPatch, end: Callable[[], Any]) -> None:
+    """A LOOKUP's prefetch goes to L2 and finishes (no hits) only once ``end`` returns."""
+    storage = server.storage
+
+    def wait(handle: int, timeout: float) -> int:
+        end()
+        return 0
+
+    monkeypatch.setattr(storage, "start_prefetch", lambda keys, *, readers=1: (HANDLE, None))
+    monkeypatch.setattr(storage, "query_prefetch", lambda handle: None)
+    monkeypatch.setattr(storage, "wait_prefetch", wait)
+    monkeypatch.setattr(storage, "discard_prefetch", lambda handle: None)
+
+
+def _send_wait(server: TiersServer, sock: zmq.Socket[bytes], keys: list[ObjectKey]) -> None:
+    sock.send(p.encoder.encode(p.Lookup(REQUEST - 1, "", keys)))
+    (header,) = sock.recv_multipart()
+    lookup = p.reply_decoder.decode(header)
+    assert isinstance(lookup, p.LookupReply) and lookup.hits is None
+    sock.send(p.encoder.encode(p.WaitPrefetchStatus(REQUEST, "", lookup.handle, 30.0)))
+
+
+def _send_lookup_waiting(server: TiersServer, sock: zmq.Socket[bytes], keys: list[ObjectKey]) -> None:
+    sock.send(p.encoder.encode(p.Lookup(REQUEST, "", keys, wait_s=30.0)))
+
+
+KINDS = {
+    "retrieve_inline": Kind(_stall_retrieve, _send_retrieve, p.RetrieveReply),
+    "clear": Kind(_stall_clear, _send_clear, p.ClearReply),
+    "wait_prefetch": Kind(_stall_prefetch, _send_wait, p.PrefetchStatusReply),
+    "lookup_wait": Kind(_stall_prefetch, _send_lookup_waiting, p.LookupReply),
+}
+
+
+@pytest.mark.parametrize("force", [True, False], ids=["forced", "drain_deadline"])
+@pytest.mark.parametrize("fails", [True, False], ids=["fails", "finishes"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_pool_request_ending_as_the_stop_comes_is_answered_counted_and_logged_once(
+    make_server: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    kind: str,
+    fails: bool,
+    force: bool,
+) -> None:
+    """The request stalls in the pool until the loop's last turn, then fails (or ends
+    well): a forced stop never handles its completion, so the stop refuses it with its
+    error (counted, logged with the request) or sends its reply.  At a drain deadline
+    the completion is handled after that, and sends and counts nothing again."""
+    server = make_server(frontends=[{"type": "native", "pool_workers": 1}], shutdown_timeout_s=0.2)
+    frontend, how = server.frontends[0], KINDS[kind]
+    keys = keys_of(4)
+    sent = replies_to(frontend, monkeypatch, REQUEST)
+    with dealer(server.endpoint) as sock:
+        _store(server, sock, keys)
+        go_on = let_go_after_the_last_turn(server, monkeypatch)
+
+        def end() -> None:
+            go_on.wait(STALL_LIMIT_S)  # still running when the stop comes
+            if fails:
+                raise RuntimeError("the pool request broke")
+
+        how.stall(server, monkeypatch, end)
+        how.send(server, sock, keys)
+        wait_for(lambda: frontend.rpc.router.in_pool == 1, "the request running on the pool")
+        frontend.stop(force=force)
+        assert frontend.join(30)
+        stats = frontend.stats()
+        if fails:
+            assert [(type(reply), getattr(reply, "code", None)) for reply in sent] == [
+                (p.ErrorReply, p.ErrorCode.INTERNAL.value)
+            ]
+            assert stats.failures["internal"] == 1
+            assert any(f"request {REQUEST} " in record.getMessage() for record in caplog.records)
+        else:
+            assert [type(reply) for reply in sent] == [how.ended_well]
+            assert stats.failures["internal"] == 0
+        assert stats.failures["shutting_down"] == 0
+        frames = sock.recv_multipart()
+    reply = p.reply_decoder.decode(frames[0])
+    assert reply.req_id == REQUEST and type(reply) is type(sent[0])
+    if kind == "retrieve_inline" and not fails:
+        assert frames[1:] == [b"x" * CHUNK] * 4
+        assert stats.retrieves == 1
+    assert server.storage.status()["l1"]["read_locks"] == 0
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_pool_request_still_running_at_a_forced_stop_is_counted_and_logged_as_given_up(
+    make_server: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, kind: str
+) -> None:
+    """Not answered (the stop does not wait for it), but counted once as refused
+    (``shutting_down``) and said in the stop's line, as a STORE_INLINE is."""
+    server = make_server(frontends=[{"type": "native", "pool_workers": 1}])
+    frontend, how = server.frontends[0], KINDS[kind]
+    keys = keys_of(4)
+    go_on = threading.Event()
+    with dealer(server.endpoint) as sock:
+        _store(server, sock, keys)
+        how.stall(server, monkeypatch, lambda: go_on.wait(STALL_LIMIT_S))
+        how.send(server, sock, keys)
+        wait_for(lambda: frontend.rpc.router.in_pool == 1, "the request running on the pool")
+        frontend.stop(force=True)
+        assert frontend.join(30)
+    go_on.set()  # the pool thread ends now, after the stop
+    stats = frontend.stats()
+    assert stats.failures["shutting_down"] == 1
+    assert sum(stats.store_keys_refused.values()) == 0
+    lines = [r.getMessage() for r in caplog.records if "given up at the stop" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("1 pool requests given up at the stop")
+    assert "0 of them STORE_INLINEs" in lines[0]
