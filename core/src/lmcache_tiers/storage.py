@@ -114,7 +114,7 @@ class StorageManager:
         eviction frees, each span wasting less than one of the largest objects: when the
         objects and that many more of the largest fit in it, they fit for sure.  Only an
         L1 so locked that this does not settle it is scanned (every unevictable extent,
-        read under the L1 lock and sorted: O(locked), too slow for every write of a full L1)."""
+        listed under the L1 lock, then read and sorted: O(locked), too slow for every write)."""
         align = self.config.l1_align_bytes
         extents = sorted((aligned_total([size], align) for size in new_sizes.values()), reverse=True)
         if not extents or extents[0] * (len(extents) + self.l1.unevictable_extents() + 1) <= room:

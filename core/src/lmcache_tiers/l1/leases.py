@@ -258,6 +258,11 @@ class ExtentLeases:
     def quarantined_extents(self) -> int:
         return len(self._by_offset)
 
+    def held_entries(self) -> list[_Held]:
+        """Every quarantined extent's record (``obj.offset``, ``extent_bytes``: neither
+        changes while it is held), copied in C: read after the L1 lock is let go."""
+        return list(self._by_offset.values())
+
     def held_extents(self) -> list[tuple[int, int]]:
         """``(offset, length)`` of every quarantined extent: allocated, and freed by no
         eviction."""
