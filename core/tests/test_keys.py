@@ -151,3 +151,22 @@ def test_remembered_names_keep_every_check() -> None:
     for index in range(keys_module._MAX_CHECKED_NAMES + 10):
         ObjectKey(f"model-{index}", 0, b"h")
     assert len(keys_module._CHECKED_MODEL_NAMES) <= keys_module._MAX_CHECKED_NAMES
+
+
+def test_names_that_pose_as_checked_ones_are_refused_as_not_strings() -> None:
+    """A key built after others whose names passed: a value comparing equal to one of them
+    without being a str, or whose comparison raises, is no name, whichever way the
+    remembered names are consulted."""
+    ObjectKey("m", 0, b"h", cache_salt="s")
+
+    class Equal:
+        def __eq__(self, other: object) -> bool:
+            raise ValueError("ambiguous")
+
+        def __hash__(self) -> int:
+            return hash("m")
+
+    for model_name, cache_salt in ((Equal(), "s"), ("m", Equal())):
+        with pytest.raises(KeyValidationError, match="must be a string"):
+            ObjectKey(model_name, 0, b"h", cache_salt=cache_salt)  # type: ignore[arg-type]
+    assert ObjectKey("m", 0, b"h", cache_salt="s") == ObjectKey("m", 0, b"h", 0, "s")

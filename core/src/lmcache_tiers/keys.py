@@ -36,6 +36,10 @@ _UNSAFE_SALT = re.compile(r"[/\\@\x00]")
 _CHECKED_MODEL_NAMES: set[str] = set()
 _CHECKED_SALTS: set[str] = set()
 _MAX_CHECKED_NAMES = 4096
+#: The model name and salt that passed _check_names last, compared before the sets are
+#: probed: a decoded key's names are new str objects, each hashed in full by a probe, and
+#: two comparisons cost less.  Nothing equals the initial placeholders.
+_LAST_CHECKED: tuple[object, object] = (object(), object())
 _KV_RANK_LIMIT = 1 << 32
 _OBJECT_GROUP_LIMIT = 1 << 16
 
@@ -74,16 +78,27 @@ def _check_names(model_name: str, cache_salt: str) -> None:
             if len(checked) >= _MAX_CHECKED_NAMES:
                 checked.clear()
             checked.add(value)
+    if type(model_name) is str and type(cache_salt) is str:
+        global _LAST_CHECKED
+        _LAST_CHECKED = (model_name, cache_salt)
 
 
-def _reject_numbers(key: ObjectKey) -> None:
-    """Raise for whichever of the key's byte and integer fields is out of range."""
+def _validate(key: ObjectKey) -> None:
+    """Check every field of ``key`` (names first, then the numbers) and raise for the first
+    one that is wrong; remembers names that pass."""
+    try:
+        known = key.model_name in _CHECKED_MODEL_NAMES and key.cache_salt in _CHECKED_SALTS
+    except Exception:  # unhashable, or not comparable with a str: not a string, as _check_name says
+        known = False
+    if not known:
+        _check_names(key.model_name, key.cache_salt)
     chunk_hash = key.chunk_hash
     if not isinstance(chunk_hash, bytes) or not 0 < len(chunk_hash) <= MAX_CHUNK_HASH_LEN:
         raise KeyValidationError(f"chunk_hash must be 1..{MAX_CHUNK_HASH_LEN} bytes")
     if not 0 <= key.kv_rank < _KV_RANK_LIMIT:
         raise KeyValidationError(f"kv_rank {key.kv_rank} is outside 0..2**32-1")
-    raise KeyValidationError(f"object_group {key.object_group} is outside 0..65535")
+    if not 0 <= key.object_group < _OBJECT_GROUP_LIMIT:
+        raise KeyValidationError(f"object_group {key.object_group} is outside 0..65535")
 
 
 # cache_hash: a key is hashed by every dict and set it passes through (L1, the eviction
@@ -99,23 +114,28 @@ class ObjectKey(msgspec.Struct, frozen=True, array_like=True, gc=False, cache_ha
     cache_salt: str = ""
 
     def __post_init__(self) -> None:
-        # Runs for every key of every request a server decodes: the usual case is two set
-        # probes and one compound test.  A value equal to a remembered exact str has the
-        # same characters, so it passed the same checks.
-        try:
-            known = self.model_name in _CHECKED_MODEL_NAMES and self.cache_salt in _CHECKED_SALTS
-        except TypeError:  # unhashable, so not a string: _check_name says so
-            known = False
-        if not known:
-            _check_names(self.model_name, self.cache_salt)
+        # Runs for every key of every request a server decodes (most of the cost of
+        # decoding a key never seen): the usual case is one compound test.  A value equal
+        # to an exact str that passed the checks (the last names, else a remembered one)
+        # has the same characters, so it passes them too.  Anything else is checked field
+        # by field, which says what is wrong.
         chunk_hash = self.chunk_hash
-        if not (
-            isinstance(chunk_hash, bytes)
-            and 0 < len(chunk_hash) <= MAX_CHUNK_HASH_LEN
-            and 0 <= self.kv_rank < _KV_RANK_LIMIT
-            and 0 <= self.object_group < _OBJECT_GROUP_LIMIT
-        ):
-            _reject_numbers(self)
+        last = _LAST_CHECKED
+        try:
+            if (
+                (
+                    (last[0] == self.model_name and last[1] == self.cache_salt)
+                    or (self.model_name in _CHECKED_MODEL_NAMES and self.cache_salt in _CHECKED_SALTS)
+                )
+                and isinstance(chunk_hash, bytes)
+                and 0 < len(chunk_hash) <= MAX_CHUNK_HASH_LEN
+                and 0 <= self.kv_rank < _KV_RANK_LIMIT
+                and 0 <= self.object_group < _OBJECT_GROUP_LIMIT
+            ):
+                return
+        except Exception:  # e.g. an unhashable name, a number that is no number: said below
+            pass
+        _validate(self)
 
     def file_stem(self) -> str:
         """Safe, unique name for files, objects and log lines: ``model@0xRANK@group@hash[@salt]``
