@@ -485,6 +485,52 @@ def test_a_long_list_of_known_keys_is_not_walked_by_msgspec(monkeypatch: pytest.
         assert recording.lengths and max(recording.lengths) <= len(header) - keys_bytes + 1, type(request)
 
 
+def test_a_long_list_of_new_keys_is_not_walked_by_msgspec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys never seen, of a size lists were cut at before (a new prompt looked up or
+    stored): the header is decoded with the list left out too, and the keys are the full
+    decoder's, each remembered (a key repeated in the list included)."""
+    from lmcache_tiers.wire import decoding
+
+    cache = KeyCache()
+    decoded_keys(cache, LONG)  # notes their size
+    recording = RecordingDecoder(decoding._fast_decoder)
+    monkeypatch.setattr(decoding, "_fast_decoder", recording)
+    for number, request in enumerate(keyed_requests(LONG)):
+        fresh = [ObjectKey("model", 0, bytes([number, index]) * 8, 0, "salt") for index in range(119)]
+        keys = [*fresh, fresh[7]]
+        header = p.encode(msgspec.structs.replace(request, keys=keys))
+        recording.lengths.clear()
+        decoded = decode_request(header, cache)
+        assert decoded == p.request_decoder.decode(header)
+        assert decoded.keys == keys  # type: ignore[attr-defined]
+        keys_bytes = len(p.encode(keys))
+        assert recording.lengths and max(recording.lengths) <= len(header) - keys_bytes + 1, type(request)
+        assert all(cache._keys[key.to_bytes()] == key for key in keys)
+
+
+def test_long_lists_of_new_keys_that_are_not_whole_keys_get_the_full_decoders_verdict() -> None:
+    """A never-seen list whose first piece decodes at a remembered size but whose others do
+    not (a key out of range, keys of another size after it, a list cut short): decoded
+    the usual way, so refused or accepted as the full decoder does."""
+    cache = KeyCache()
+    decoded_keys(cache, LONG)
+    fresh = [ObjectKey("model", 0, index.to_bytes(2, "big") * 8, 0, "tlas") for index in range(1000, 1120)]
+    longer = [ObjectKey("another-model", 0, bytes([index]) * 20) for index in range(60)]
+    out_of_range = msgspec.msgpack.encode(["model", 1 << 32, bytes(8), 0, "tlas"])  # a key's size
+    cases = [p.encode(p.Lookup(1, "", [*fresh[:60], *longer]))]
+    for keys in (fresh, fresh[:60]):
+        header = p.encode(p.Lookup(1, "", keys))
+        cases += [header[:-7], header + b"\x00"]
+        at = header.index(keys[30].to_bytes())
+        assert len(out_of_range) == len(keys[30].to_bytes())
+        cases.append(header[:at] + out_of_range + header[at + len(out_of_range) :])
+    assert outcome(p.request_decoder.decode, cases[-1])[0] == "ValidationError"
+    for header in cases:
+        assert outcome(lambda data: decode_request(data, cache), header) == outcome(
+            p.request_decoder.decode, header
+        )
+
+
 def test_a_long_list_cut_anew_each_time_and_in_runs() -> None:
     """Known keys in an order no list had (cut into pieces), windows of a remembered list
     (runs), a list seen twice (remembered whole), a known first key followed by new keys

@@ -46,11 +46,12 @@ key list to skip it costs msgspec tens of nanoseconds per key, more than the res
 LOOKUP of known keys.  The key list is located after the three fields before it (op tag,
 request id, token, read as msgpack reads them; a header encoding them otherwise is decoded
 whole), its first key is looked up among the known keys at the sizes lists were cut at
-lately, and the list is taken to end where that many keys of that size would.  The header
-with an empty list in its place is decoded by msgspec -- every other field is checked as
-ever -- and the list is cut as above.  Every piece of it being a whole key (known, or
-decoding with nothing left over) proves that the list ends there, so the request is the
-one the full decoder gives; anything else is decoded the usual way.
+lately (or, when not known, decoded at them: a new prompt's list), and the list is taken to
+end where that many keys of that size would.  The header with an empty list in its place
+is decoded by msgspec -- every other field is checked as ever -- and the list is cut as
+above.  Every piece of it being a whole key (known, or decoding with nothing left over)
+proves that the list ends there, so the request is the one the full decoder gives;
+anything else is decoded the usual way.
 
 The cache holds at most :data:`KEY_CACHE_ENTRIES` keys and is emptied when full, so a
 client sending ever new keys cannot grow it; past that it costs one decode per key, as
@@ -67,6 +68,7 @@ a copy of every list costs a lookup of a new prefix more than the repeats save.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import Annotated, Any, NamedTuple, Union, get_args
 
 import msgspec
@@ -241,10 +243,11 @@ class KeyCache:
 
     def equal_span(self, header: bytes, at: int) -> tuple[int, int, int] | None:
         """(keys, where the first starts, its size) of the key list at ``at`` in ``header``
-        when its first key is one seen before, at one of the sizes keys were cut at lately;
-        the list then ends where that many keys of that size do, if they all have it
-        (:meth:`keys_at` tells).  A known key's bytes are a whole msgpack value, and no
-        value is a prefix of another, so at most one size fits."""
+        when its first key is one seen before, or one that decodes whole, at one of the
+        sizes keys were cut at lately; the list then ends where that many keys of that size
+        do, if they all have it (:meth:`keys_at` tells).  Either way the first key's bytes
+        are one whole msgpack value, and no value is a prefix of another, so at most one
+        size fits."""
         shape = _array_header(header, at, len(header))
         if shape is None:
             return None
@@ -254,9 +257,19 @@ class KeyCache:
         start = at + length
         known = self._keys
         for size in self._sizes:
-            if header[start : start + size] in known:
+            first = header[start : start + size]
+            if first in known or self._is_key(first):
                 return (count, start, size) if start + count * size <= len(header) else None
         return None
+
+    def _is_key(self, data: bytes) -> bool:
+        """Whether ``data`` is one whole valid key (the first key of a list never seen: a
+        prompt looked up or stored for the first time)."""
+        try:
+            self._decode(data)
+        except Exception:
+            return False
+        return True
 
     def keys_at(self, header: bytes, at: int, start: int, count: int, size: int) -> list[ObjectKey] | None:
         """The ``count`` keys of the list at ``at`` in ``header``, when they are its
@@ -399,17 +412,26 @@ class KeyCache:
             # This list's known keys stay known, as the objects handed out with it.
             cache.update((data, key) for data, key in zip(encoded, keys, strict=True) if key is not None)
         decode = self._decode
-        new: list[int] = []
-        for position, key in enumerate(keys):
-            if key is None:
-                data = encoded[position]
-                key = keys[position] = decode(data)
-                cache[data] = key
-                new.append(position)
+        new: Sequence[int]
+        if any(keys):
+            new = []
+            for position, key in enumerate(keys):
+                if key is None:
+                    data = encoded[position]
+                    key = keys[position] = decode(data)
+                    cache[data] = key
+                    new.append(position)
+        else:
+            # Every key new (a prompt never seen): decoded and remembered in C-level passes,
+            # with no Python step per key but ObjectKey's own validation.  A piece repeated
+            # in the list is decoded each time, as above, and remembered as the last one.
+            keys = list(map(decode, encoded))
+            cache.update(zip(encoded, keys, strict=True))
+            new = range(len(keys))
         self._remember_origins(encoded, keys, new)
         return keys
 
-    def _remember_origins(self, encoded: list[bytes], keys: list[ObjectKey], new: list[int]) -> None:
+    def _remember_origins(self, encoded: list[bytes], keys: list[ObjectKey], new: Sequence[int]) -> None:
         """Note the list the keys at ``new`` were first decoded from (``encoded``: its
         elements), when its keys all encode to one length (positions are then offsets)."""
         if len(encoded) < _RUN_MIN_KEYS or len(set(map(len, encoded))) != 1:
