@@ -12,7 +12,10 @@ PING and LOOKUP are sent to the server through a bare DEALER socket too, which s
 round trip into the server's share and the client library's.  How
 fast a sequential round trip can be depends on where the scheduler puts the two processes
 (sharing a core, or each on its own), so the floor moves with the machine and the load on
-it; the ratio to it does not.
+it; the ratio to it does not.  What each key adds to a LOOKUP is the gap between a long
+and a short one, measured for the same key list every time, a different list each time,
+the RELEASE of what it locked, and keys nobody stored or named before (all misses, each
+decoded and checked for the first time).
 
     python bench/bench_server.py                       # 64 x 2 MiB, 16-key lookups, tcp://
     python bench/bench_server.py --transport ipc       # the same over ipc://
@@ -251,6 +254,31 @@ def lookup_p50s(
     return statistics.median(samples[short]), statistics.median(samples[long])
 
 
+def unseen_lookup_p50s(url: str, short: int, long: int, requests: int) -> tuple[float, float]:
+    """p50 in microseconds of sequential LOOKUPs of ``short`` and of ``long`` keys nobody
+    stored or named before (a new prompt): every request names keys of its own, made
+    before its clock starts, and finds none of them.  Measured in alternating rounds, as
+    ``lookup_p50s``."""
+    samples: dict[int, list[float]] = {short: [], long: []}
+    salt = f"bench-unseen-{os.getpid()}"
+    made = itertools.count()
+    with Client(url) as client:
+        rounds = 10
+        for _ in range(rounds):
+            for count in (short, long):
+                for _ in range(max(1, requests * short // (count * rounds))):
+                    wanted = [
+                        ObjectKey("bench-slope", 0, next(made).to_bytes(8, "big") * 4, 0, salt)
+                        for _ in range(count)
+                    ]
+                    start = time.perf_counter_ns()
+                    hits = client.lookup(wanted)
+                    samples[count].append((time.perf_counter_ns() - start) / 1e3)
+                    if hits:
+                        raise SystemExit(f"LOOKUP found {hits} of {count} keys nobody stored")
+    return statistics.median(samples[short]), statistics.median(samples[long])
+
+
 # -- main ------------------------------------------------------------------------------------
 
 
@@ -330,7 +358,7 @@ def main() -> None:
         floor_after = measure_floor(transport, args.lookup_keys)
         bare_ping, bare_lookup = bare_requests(url, args.lookup_keys, args.lookup_requests // 2)
         slope = None
-        distinct_slope = release_slope = (0.0, 0.0)
+        distinct_slope = release_slope = unseen_slope = (0.0, 0.0)
         if args.long_lookup_keys > args.lookup_keys:
             long_keys = args.long_lookup_keys
             short_p50, long_p50 = lookup_p50s(url, args.lookup_keys, long_keys, args.lookup_requests)
@@ -342,6 +370,7 @@ def main() -> None:
             release_slope = lookup_p50s(
                 url, args.lookup_keys, long_keys, args.lookup_requests, distinct=True, release=True
             )
+            unseen_slope = unseen_lookup_p50s(url, args.lookup_keys, long_keys, args.lookup_requests)
         if args.l2:
             extra.write_back = store_under_write_back(url, args.chunks, chunk_bytes, args.repeats)
         if args.clients:
@@ -372,6 +401,8 @@ def main() -> None:
             data["lookup_distinct_us_per_extra_key"] = (distinct_slope[1] - distinct_slope[0]) / added
             data["release_short_long_p50_us"] = list(release_slope)
             data["release_us_per_extra_key"] = (release_slope[1] - release_slope[0]) / added
+            data["lookup_unseen_short_long_p50_us"] = list(unseen_slope)
+            data["lookup_unseen_us_per_extra_key"] = (unseen_slope[1] - unseen_slope[0]) / added
         data.update(extra.to_dict(args.l2, args.direct))
         print(json.dumps(data, indent=2))
         return
@@ -413,6 +444,10 @@ def main() -> None:
         lines.append(
             f"RELEASE of what such a LOOKUP locked, cost per extra key (p50 {release_slope[1]:.0f} vs "
             f"{release_slope[0]:.0f} us): {(release_slope[1] - release_slope[0]) / added:.3f} us"
+        )
+        lines.append(
+            f"the same with keys nobody stored or named before, all misses (p50 {unseen_slope[1]:.0f} "
+            f"vs {unseen_slope[0]:.0f} us): {(unseen_slope[1] - unseen_slope[0]) / added:.3f} us"
         )
     print("\n".join(lines + extra.lines(args.l2, args.direct)))
 
