@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from lmcache_tiers.client.connection import CLEANUP_TIMEOUT_S, Connection, checked_wait
+from lmcache_tiers.client.connection import CLEANUP_TIMEOUT_S, Connection, checked_keys, checked_wait
 from lmcache_tiers.client.errors import (
     ClientError,
     ConnectionLostError,
@@ -259,6 +259,7 @@ class Client(Connection):
     def evict(self, keys: Sequence[ObjectKey]) -> int:
         """Delete these keys from L1 (those nobody holds locked); L2 copies stay.  Returns
         how many were deleted.  Raises ClientError on a server without EVICT."""
+        keys = checked_keys(keys)
         if "evict" not in self.server_features:
             raise ClientError(f"the server at {self.url} has no EVICT request (it is older)")
         evicted = 0
@@ -291,6 +292,7 @@ class Client(Connection):
         ``l1_only``: the server keeps them in L1 and never copies them to L2 (raises
         ClientError if it cannot promise that).
         """
+        keys = checked_keys(keys)
         if l1_only and "l1_only_store" not in self.server_features:
             raise ClientError(f"the server at {self.url} cannot keep stores out of L2 (it is older)")
         if len(keys) != len(buffers):
@@ -401,7 +403,7 @@ class Client(Connection):
         More keys than the server takes in one request are looked up part by part, each
         part only while the one before it was a full hit (the answer is a prefix).
         """
-        return self._lookup(list(keys), self._call_seconds(timeout))
+        return self._lookup(checked_keys(keys), self._call_seconds(timeout))
 
     def _lookup(self, keys: list[ObjectKey], limit: float) -> int:
         """``lookup`` within ``limit`` seconds (zero: no wait for a prefetch)."""
@@ -450,6 +452,8 @@ class Client(Connection):
         """``lookup`` for several prompts at once (e.g. one scheduler step), with up to
         ``window`` requests in flight: one round trip's latency instead of one per prompt."""
         limit = self._call_seconds(timeout)
+        # All checked before the first is sent: those sent would lock keys meanwhile.
+        key_lists = [checked_keys(keys, f"prompt {index}: ") for index, keys in enumerate(key_lists)]
         deadline = time.monotonic() + limit
         results: list[int | None] = [None] * len(key_lists)
         try:
@@ -518,12 +522,13 @@ class Client(Connection):
 
         One handle covers one request, so at most ``max_keys`` keys (``lookup`` takes any
         number)."""
+        keys = checked_keys(keys)
         if len(keys) > self.max_keys:
             raise ValueError(
                 f"start_lookup takes at most {self.max_keys} keys (the server's limit per request), "
                 f"got {len(keys)}: use lookup(), which looks longer prompts up part by part"
             )
-        request = p.Lookup(0, "", list(keys))
+        request = p.Lookup(0, "", keys)
         reply = self._call(request, p.LookupReply)
         if reply.hits is None:
             self._running_prefetch(reply.handle, request.keys)
@@ -571,7 +576,7 @@ class Client(Connection):
         lock TTL) and their extents changed hands while the block ran, leaving it raises
         :class:`StaleReadError` naming them: whatever was read from those views is void.
         """
-        keys = list(keys)
+        keys = checked_keys(keys)
         if layouts is not None and len(layouts) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(layouts)} layouts")
         reader = [] if layouts is None else list(layouts)
@@ -742,10 +747,10 @@ class Client(Connection):
         objects whose extent changed hands meanwhile are retrieved again (up to
         ``STALE_RETRIES`` times), then :class:`StaleReadError` is raised.
         """
+        keys = checked_keys(keys)
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         targets = [as_writable_byte_array(buffer) for buffer in buffers]
-        keys = list(keys)
         return self._on_current_server(lambda: self._retrieve_into_now(keys, targets, buffers))
 
     def _buffer_layouts(self, buffers: Sequence[BufferLike]) -> list[str] | None:
@@ -835,7 +840,7 @@ class Client(Connection):
         connection is lost instead, nothing more is sent: the locks taken over it cannot be
         released over another (see ``_locks_left_to_ttl``) and expire with the lock TTL."""
         released = 0
-        keys = list(keys)
+        keys = checked_keys(keys)
         deadline = time.monotonic() + self._call_seconds(timeout)
         parts = list(self._batches(len(keys)))
         for index, part in enumerate(parts):

@@ -99,6 +99,8 @@ _MONITORS = itertools.count()
 _REMEMBERED = 1024
 
 
+_KEY_TYPES = frozenset((ObjectKey,))
+
 #: every connection of this process, so that a forked child can give each a lock of its own
 _CONNECTIONS: weakref.WeakSet[Connection] = weakref.WeakSet()
 
@@ -138,6 +140,24 @@ def checked_wait(seconds: float) -> float:
     if not seconds >= 0:  # NaN too
         raise ValueError(f"wait must not be negative, got {seconds!r}")
     return seconds
+
+
+def checked_keys(keys: Sequence[ObjectKey], where: str = "") -> list[ObjectKey]:
+    """``keys`` as a list, if each is an :class:`ObjectKey`.  Anything else would go out as
+    it is (msgpack encodes a string or a tuple as readily), to be refused by the server as
+    a malformed request, counted among its failures -- after the parts of a long call
+    before the bad key were stored or locked.  ``where`` names the key list in the message
+    (``lookup_many``'s prompts)."""
+    if isinstance(keys, (str, bytes, bytearray, memoryview)):
+        raise TypeError(f"{where}keys must be a sequence of ObjectKeys, not a {type(keys).__name__}")
+    listed = list(keys)
+    # One pass in C over the exact types (a lookup's keys are checked on every call);
+    # subclasses take the slow path.
+    if not _KEY_TYPES.issuperset(map(type, listed)):
+        for position, key in enumerate(listed):
+            if not isinstance(key, ObjectKey):
+                raise TypeError(f"{where}keys[{position}] is a {type(key).__name__}, not an ObjectKey")
+    return listed
 
 
 def _rest_of_message(sock: zmq.Socket[bytes]) -> list[bytes]:
