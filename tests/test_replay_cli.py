@@ -7,6 +7,8 @@ where the test needs an interpreter of its own."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -280,3 +282,34 @@ def test_an_in_process_l1_too_small_for_one_extent_names_the_flag(tmp_path: Path
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.startswith("error: "), result.stderr  # before any progress bar
     assert _error_line(result).startswith("error: --l1-size-gb 1e-12: smaller than one L1 extent")
+
+
+def test_a_closed_stdout_is_refused_before_the_work(tmp_path: Path) -> None:
+    """Started with stdout closed (``>&-``), the replay did all its work, lost the report
+    without a word and exited 0."""
+    from thirdparty import CLI
+
+    args = ["replay", str(small_trace(tmp_path / "t.jsonl")), "--simulate", "--capacity", "8", "--json"]
+    result = subprocess.run(
+        CLI + args,
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: os.close(1),
+    )
+    assert result.returncode == 2, result.stderr
+    assert _error_line(result).startswith("error: stdout is closed, and the report is written there")
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])
+def test_a_report_that_cannot_be_written_is_one_line_and_exit_1(tmp_path: Path, as_json: bool) -> None:
+    """stdout on a full disk ended the run in a traceback once the work was done."""
+    from thirdparty import CLI
+
+    args = ["replay", str(small_trace(tmp_path / "t.jsonl")), "--simulate", "--capacity", "8"]
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            CLI + args + (["--json"] if as_json else []), stdout=full, stderr=subprocess.PIPE, text=True
+        )
+    assert result.returncode == 1, result.stderr
+    assert _error_line(result) == "error: cannot write the report to stdout: No space left on device"

@@ -7,10 +7,13 @@ A plain function with typer-annotated parameters; heavy imports happen inside it
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import math
 import os
 import signal
+import sys
 from collections.abc import Iterator
 from typing import Annotated, Any, Optional
 
@@ -291,6 +294,7 @@ def replay(
 
     step = _Step()
     with _ended_by_signal(step):
+        _check_stdout()
         modes = [
             name
             for name, chosen in (("--simulate", simulate), ("--in-process", in_process), ("--url", url))
@@ -497,27 +501,30 @@ def _simulate(
         step(f"writing the plot {plot}", "no report, and no plot written")
         plot_curve(points, plot, title=f"miss ratio: {trace.path.rsplit('/', 1)[-1]}")
     step("printing the report", "the report above is cut short")
-    if as_json:
-        document = simulation_document(trace, points, settings, analysis=analysis.describe(), bounds=bounds)
+    with _writing_report():
+        if as_json:
+            document = simulation_document(
+                trace, points, settings, analysis=analysis.describe(), bounds=bounds
+            )
+            if plot:
+                document["plot"] = plot
+            typer.echo(json.dumps(document, indent=2))
+            return
+        _print_table(curve_table(points, title=title, oracles=analysis.oracles))
+        gaps = gap_table(points)
+        if gaps is not None:
+            _print_table(gaps)
+        if bounds is not None:
+            _print_table(bound_table(points, bounds))
+        _print_table(timing_table(points, trace))
+        conflicts = trace.chain_conflicts()
+        if conflicts:
+            stdout.print(
+                f"[yellow]note:[/] {conflicts} blocks appear after two different parents; "
+                "Belady is an upper bound there"
+            )
         if plot:
-            document["plot"] = plot
-        typer.echo(json.dumps(document, indent=2))
-        return
-    _print_table(curve_table(points, title=title, oracles=analysis.oracles))
-    gaps = gap_table(points)
-    if gaps is not None:
-        _print_table(gaps)
-    if bounds is not None:
-        _print_table(bound_table(points, bounds))
-    _print_table(timing_table(points, trace))
-    conflicts = trace.chain_conflicts()
-    if conflicts:
-        stdout.print(
-            f"[yellow]note:[/] {conflicts} blocks appear after two different parents; "
-            "Belady is an upper bound there"
-        )
-    if plot:
-        stdout.print(f"plot written to {plot}")
+            stdout.print(f"plot written to {plot}")
 
 
 def _in_process(
@@ -640,6 +647,42 @@ def _check_block_fits(url: str, options: Any, auth_token: str | None) -> None:
         )
 
 
+def _check_stdout() -> None:
+    """Refuse, before any work, a stdout the report cannot be written to: closed (``>&-``;
+    the report was lost without a word, exit 0) or open for reading only (a traceback once
+    the work was done)."""
+    if sys.stdout is None:
+        fail("stdout is closed, and the report is written there; give it a file or a pipe")
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):
+        return  # no file descriptor: a caller that captures the output in memory
+    try:
+        writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
+    except OSError as exc:
+        fail(f"stdout cannot be written ({exc.strerror or exc}), and the report is written there")
+    if not writable:
+        fail("stdout is open for reading only, and the report is written there; give it a file or a pipe")
+
+
+@contextlib.contextmanager
+def _writing_report() -> Iterator[None]:
+    """One line and exit 1, not a traceback, when the report cannot be written whole (a full
+    disk; a reader that went away ends it quietly, exit 1); stdout then goes to /dev/null, so
+    that the interpreter's last flush does not fail again."""
+    try:
+        yield
+        sys.stdout.flush()  # a full disk may only show here
+    except OSError as exc:
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        if exc.errno == errno.EPIPE:
+            sys.exit(1)  # the reader stopped reading (``| head``): quiet, as rich's tables end
+        fail(f"cannot write the report to stdout: {exc.strerror or exc}", 1)
+
+
 def _print_table(table: Any) -> None:
     """A terminal shrinks wide tables to fit; a pipe or file gets them whole.  Rich caps a
     width given to ``print`` at the console's (80 columns, or $COLUMNS, off a terminal),
@@ -666,10 +709,11 @@ def _show(
     from lmcache_tiers.replay.report import replay_table
 
     step("printing the report", "the report above is cut short")
-    if as_json:
-        typer.echo(json.dumps(document, indent=2))
-    else:
-        _print_table(replay_table(document))
+    with _writing_report():
+        if as_json:
+            typer.echo(json.dumps(document, indent=2))
+        else:
+            _print_table(replay_table(document))
     failures = [also_failed] if also_failed else []
     if document["corrupt_blocks"]:
         failures.insert(0, f"{document['corrupt_blocks']} retrieved blocks did not hold their own bytes")
