@@ -216,3 +216,20 @@ def test_a_second_signal_stops_waiting_for_client_processes_and_the_server(tmp_p
         "the server's counters could not be read: a second signal asked not to wait for them"
     )
     assert document["l1_hit_blocks"] is None
+
+
+def test_ctrl_c_as_the_command_starts_is_one_line(tmp_path: Path) -> None:
+    """Ctrl-C while the command loaded its plugins, before any command ran, printed a
+    KeyboardInterrupt traceback."""
+    marker = tmp_path / "loaded"
+    args = ["replay", str(small_trace(tmp_path / "t.jsonl")), "--simulate"]
+    replay = _launch_held("lmcache_tiers.plugins", "load_plugins", marker, args)
+    try:
+        _wait_for(marker, replay)
+        replay.send_signal(signal.SIGINT)
+        out, err = replay.communicate(timeout=60)
+    finally:
+        replay.kill()
+    assert replay.returncode == 130, err
+    assert out == ""
+    assert _one_error_line(err) == "error: interrupted (SIGINT) as the command started"

@@ -146,6 +146,8 @@ def run(make_command: Callable[[], Any], argv: list[str] | None) -> None:
         result = command.main(args=argv, prog_name="lmcache-tiers", standalone_mode=False)
     except typer.Abort:
         sys.exit(130)
+    except KeyboardInterrupt:  # before the command runs (its plugins load): no traceback
+        fail("interrupted (SIGINT) as the command started", 130)
     except TyperException as exc:  # usage errors: bad flag values, unknown options
         show_help = getattr(exc, "show", None)
         if type(exc).__name__ == "NoArgsIsHelpError" and callable(show_help):
