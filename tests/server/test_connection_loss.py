@@ -289,3 +289,45 @@ def _ops_served(metrics_text: str) -> set[str]:
         for line in metrics_text.splitlines()
         if line.startswith("lmcache_tiers_requests_total{")
     }
+
+
+def test_a_retrieve_block_whose_connection_dropped_sends_no_release_over_the_next_one(
+    tmp_path: Path, short_directory: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server restarts at the address while a retrieve block is open: its locks went
+    with the first server's session, and leaving the block normally sends no RELEASE by key
+    over the next connection, where it could only drop locks another thread of this client
+    took since.  The log says the old locks expire with the lock TTL."""
+    address = short_directory / "rpc.sock"
+    first = start_server(tmp_path / "first", metrics=False, host=f"ipc://{address}")
+    client, keys = _stored(first, "block-over-restart", 2)
+    second: ServerProcess | None = None
+    try:
+        with caplog.at_level("INFO", logger="lmcache_tiers.client"), client.retrieve(keys) as views:
+            assert len(views) == 2
+            address.rename(short_directory / "first.sock")
+            second = start_server(tmp_path / "second", metrics=True, host=f"ipc://{address}")
+            first.stop(signal.SIGKILL)  # the client reconnects, to the second server
+            deadline = time.monotonic() + CLIENT_TIMEOUT_S
+            while _server_pid(client) != second.proc.pid:
+                assert time.monotonic() < deadline, "the client never reached the second server"
+                time.sleep(0.05)
+        client.ping(timeout=30)  # after anything leaving the block sent
+        assert second.http_url is not None
+        _, _, text = fetch(second.http_url + "/metrics")
+        assert "Release" not in _ops_served(text), text
+        assert "expire with the server's lock TTL" in caplog.text
+    finally:
+        first.stop(signal.SIGKILL)
+        client.close()
+        if second is not None:
+            assert second.stop() == 0, second.output()
+
+
+def _server_pid(client: Client) -> int | None:
+    """The pid of the server answering now; None while none does."""
+    try:
+        pid: int = client.status()["server"]["pid"]
+    except RequestTimeoutError:  # a lost connection too
+        return None
+    return pid

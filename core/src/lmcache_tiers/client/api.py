@@ -581,12 +581,14 @@ class Client(Connection):
             raise ValueError(f"{len(keys)} keys but {len(layouts)} layouts")
         reader = [] if layouts is None else list(layouts)
         with contextlib.ExitStack() as held:  # the segment stays mapped until the views go
-            segment, slots = self._on_current_server(lambda: self._acquire_mapped(keys, held, reader))
+            segment, slots, taken_over = self._on_current_server(
+                lambda: self._acquire_mapped(keys, held, reader)
+            )
             if segment is None:
                 # Decided after _on_current_server greeted the server it reads from.
                 yield self._retrieve_inline(keys, self._reader_layouts(reader))
                 return
-            with self._leased(keys):
+            with self._leased(keys, taken_over):
                 views = [segment.buffer[slot.offset : slot.offset + slot.size].toreadonly() for slot in slots]
                 try:
                     yield views
@@ -602,19 +604,21 @@ class Client(Connection):
 
     def _acquire_mapped(
         self, keys: list[ObjectKey], held: contextlib.ExitStack, layouts: list[str]
-    ) -> tuple[MappedSegment | None, list[p.Slot]]:
+    ) -> tuple[MappedSegment | None, list[p.Slot], int]:
         """``_acquire`` in the mapped segment, for a reader of ``layouts`` (one per key, or
-        none): (segment, slots), or (None, []) when bytes travel inline.  On success
-        ``held`` keeps the segment mapped (see ``_mapped``)."""
+        none): (segment, slots, the drops seen before the locks were taken: see
+        ``_leased``), or (None, [], 0) when bytes travel inline.  On success ``held`` keeps
+        the segment mapped (see ``_mapped``)."""
         with contextlib.ExitStack() as attempt:
             segment = attempt.enter_context(self._mapped())
             if segment is None:
-                return None, []
+                return None, [], 0
+            taken_over = self._drops
             # Decided per attempt: the server greeted last (a restarted, maybe upgraded,
             # one) is the one that must check them.
             slots = self._acquire(keys, segment, self._reader_layouts(layouts))
             held.enter_context(attempt.pop_all())
-            return segment, slots
+            return segment, slots, taken_over
 
     def _acquire(
         self, keys: list[ObjectKey], segment: MappedSegment, layouts: list[str] | None = None
@@ -644,17 +648,32 @@ class Client(Connection):
         return slots
 
     @contextlib.contextmanager
-    def _leased(self, keys: list[ObjectKey]) -> Iterator[None]:
+    def _leased(self, keys: list[ObjectKey], taken_over: int) -> Iterator[None]:
         """On exit release every lock this client holds on ``keys`` -- the LOOKUP's too,
         also when RETRIEVE found none of them (a forced clear in between) -- so that the
-        extents a forced clear holds back are not held until the lock TTL."""
+        extents a forced clear holds back are not held until the lock TTL.
+
+        ``taken_over``: the connection drops seen before the RETRIEVE went out.  The
+        block's exceptions are the caller's, perhaps another client's (a ConnectionLostError
+        of another server's): whether the locks went with a dropped connection is told by
+        the drops seen since, not by the exception.  No drop seen between that count and
+        the reply's check goes unnoticed (``_acquire`` raises ``_ServerChanged``)."""
         try:
             yield
         except BaseException as exc:
-            self._give_back(keys, exc)
+            self._give_back(keys, exc, taken_over)
             raise
-        if keys and not self._closed:
-            self._release_on_leaving(keys)
+        if not keys or self._closed:
+            return
+        if self._link_dropped_since(taken_over):
+            self._locks_left_to_ttl(len(keys))
+            return
+        self._release_on_leaving(keys)
+
+    def _link_dropped_since(self, taken_over: int) -> bool:
+        """Whether the connection that took locks after ``taken_over`` drops has dropped."""
+        with self._lock:
+            return not self._closed and self._link_lost(taken_over)
 
     def _release_on_leaving(self, keys: list[ObjectKey]) -> None:
         """RELEASE at the end of a ``retrieve`` block.  A client closed meanwhile (by
@@ -672,13 +691,22 @@ class Client(Connection):
                 len(keys),
             )
 
-    def _give_back(self, keys: Sequence[ObjectKey], failure: BaseException) -> None:
+    def _give_back(
+        self, keys: Sequence[ObjectKey], failure: BaseException, taken_over: int | None = None
+    ) -> None:
         """After ``failure``: drop this client's locks on ``keys`` without hiding the
-        failure, and without waiting another timeout for a server that did not answer."""
+        failure, and without waiting another timeout for a server that did not answer.
+        ``taken_over`` (see ``_leased``): for a failure that may not be this client's, the
+        drops seen before the locks were taken."""
         if self._closed or not keys:
             return
         keys = list(keys)
-        if isinstance(failure, ConnectionLostError):
+        lost = (
+            isinstance(failure, ConnectionLostError)
+            if taken_over is None
+            else self._link_dropped_since(taken_over)
+        )
+        if lost:
             self._locks_left_to_ttl(len(keys))
             return
         if isinstance(failure, RequestTimeoutError):
@@ -815,8 +843,9 @@ class Client(Connection):
         done = 0
         for _ in range(self.STALE_RETRIES + 1):
             rest = keys[done:]
+            taken_over = self._drops
             slots = self._acquire(rest, segment, layouts[done:] if layouts else None)
-            with self._leased(rest):
+            with self._leased(rest, taken_over):
                 copies = list(zip(slots, targets[done:], strict=False))
                 for slot, target in copies:
                     if target.nbytes < slot.size:
