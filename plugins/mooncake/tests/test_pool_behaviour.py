@@ -510,6 +510,72 @@ def test_a_record_that_does_not_verify_is_a_miss_and_is_removed(
     assert raw.is_exist(name) == 0, "the damaged object was removed from the pool"
 
 
+class _ReplacedAfterRead:
+    """The adapter's client, except that right after the first read of ``name`` (``read``:
+    a load's scatter read or a lookup's header read) another writer replaces the object
+    with ``record`` -- between the read that judges the object and its removal."""
+
+    def __init__(self, store: Any, writer: Any, name: str, record: bytes, read: str) -> None:
+        self._store, self._writer, self._name, self._record = store, writer, name, record
+        self._read = read
+
+    def __getattr__(self, attribute: str) -> Any:
+        real = getattr(self._store, attribute)
+        if attribute != self._read:
+            return real
+
+        def read_then_replace(*args: Any) -> Any:
+            result = real(*args)
+            # the names are the first argument of a scatter read, the second of a ranged one
+            if self._writer is not None and self._name in str(args[:2]):
+                assert self._writer.remove(self._name, True) == 0
+                assert self._writer.put(self._name, self._record) == 0
+                self._writer = None
+            return result
+
+        return read_then_replace
+
+
+@pytest.mark.parametrize(
+    ("read", "damage"),
+    [("batch_get_into_multi_buffers", "flipped_payload_byte"), ("get_into_ranges", "garbage")],
+)
+def test_a_damaged_record_replaced_after_it_was_read_is_not_removed(
+    mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter], read: str, damage: str
+) -> None:
+    """Mooncake has no conditional remove: a record judged damaged by a load (its payload)
+    or a lookup (its header) may have been replaced by another writer's valid record
+    before the removal.  That writer's acknowledged object must stay; the read is a miss,
+    counted."""
+    adapter = open_adapter(config_for(mooncake_pool))
+    adapters.append(adapter)
+    (key,) = make_keys(1)
+    name = name_of(adapter, key)
+    payload = pattern(7, SIZE)
+    good = _record(key, payload)
+    damaged = bytearray(good) if damage == "flipped_payload_byte" else bytearray(pattern(8, len(good)))
+    damaged[HEADER_BYTES + 1000] ^= 0x01
+    assert raw.put(name, bytes(damaged)) == 0
+    backend = backend_of(adapter)
+    real = backend.connection.store()
+    backend.connection.store = lambda: _ReplacedAfterRead(real, raw, name, good, read)  # type: ignore[method-assign]
+    try:
+        if read == "get_into_ranges":  # a key the adapter does not know: its header is read
+            assert BlockingAdapterClient(adapter).lookup_and_lock([key]).found == [False]
+        else:
+            assert load(adapter, [key], [SIZE])[0] == [False]
+    finally:
+        del backend.connection.store
+    assert raw.is_exist(name) == 1, "the other writer's record was removed as the damage read before"
+    stats = adapter.stats()
+    assert stats["corrupt_reads_replaced"] == 1
+    assert stats.get("corrupt_records_removed", 0) == 0
+    result = BlockingAdapterClient(adapter).lookup_and_lock([key])
+    assert result.found == [True]
+    assert load(adapter, [key], result.sizes) == ([True], [payload])
+    adapter.unlock([key])
+
+
 def test_a_record_of_another_key_under_a_colliding_name_is_a_miss_that_is_kept(
     mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter], caplog: pytest.LogCaptureFixture
 ) -> None:

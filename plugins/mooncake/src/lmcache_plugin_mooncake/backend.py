@@ -197,6 +197,10 @@ _RECORD_OFFSETS = [0, HEADER_BYTES]
 _HEADER_OFFSET = [0]
 #: a transfer that wrote fewer bytes than the record holds
 _TRANSFER_FAILED = -800
+#: a read into a buffer smaller than the object (Mooncake's "invalid parameters")
+_TOO_SMALL = -600
+#: a damaged object no longer in the pool when read again (see ``_replaced_since``)
+_GONE = "gone"
 #: a record not put because removing the old object failed, or because its header
 #: does not fit (each counted where it happens)
 _GIVEN_UP = 1
@@ -718,7 +722,7 @@ class MooncakeStoreBackend:
                 continue  # gone since the existence query, or still being written
             if size < HEADER_BYTES:
                 self._remove_damaged(
-                    store, keys[index], names[index], f"{size} bytes, shorter than a record header"
+                    store, keys[index], names[index], f"{size} bytes, shorter than a record header", size
                 )
                 continue
             found[index] = size - HEADER_BYTES
@@ -817,7 +821,7 @@ class MooncakeStoreBackend:
     ) -> None:
         """Replace ``found[i]`` by both sizes from the record header (None: a miss; the
         stored size alone: a header that could not be read, see ``_unread_answer``)."""
-        disagreeing: list[tuple[int, Any, Any]] = []  # index, payload size queried, header
+        disagreeing: list[tuple[int, Any, Any, bytes]] = []  # index, size queried, header, its bytes
         unread = 0  # headers whose read failed that no per-key answer covers
         with self.lanes.lane(self.timeout) as lane:
             codes = _read_headers(store, lane, [names[i] for i in indexes])
@@ -834,9 +838,10 @@ class MooncakeStoreBackend:
                             self.context.name, names[index], describe(code),
                         )  # fmt: skip
                     continue
-                header = self._header(store, keys[index], names[index], lane.slot(slot))
+                read_size = HEADER_BYTES + stored  # type: ignore[operator]  # the replica's: an int
+                header = self._header(store, keys[index], names[index], lane.slot(slot), read_size)
                 if header is not None and header.payload_len != stored:
-                    disagreeing.append((index, stored, header))
+                    disagreeing.append((index, stored, header, bytes(lane.slot(slot))))
                 elif header is not None:
                     found[index] = ObjectSize(header.payload_len, header.l1_size)
         if unread:
@@ -848,14 +853,14 @@ class MooncakeStoreBackend:
         # The size was queried before the header was read: another writer may have
         # replaced the object in between.  Only a record still of the size queried is
         # damage; one now of its header's size is the replacement (valid, kept).
-        sizes = self._record_sizes(store, [names[index] for index, _, _ in disagreeing])
-        for index, stored, header in disagreeing:
+        sizes = self._record_sizes(store, [names[index] for index, _, _, _ in disagreeing])
+        for index, stored, header, judged in disagreeing:
             size = sizes.get(names[index])
             if size == HEADER_BYTES + header.payload_len:
                 found[index] = ObjectSize(header.payload_len, header.l1_size)
-            elif size == HEADER_BYTES + stored:
+            elif size is not None and size == HEADER_BYTES + stored:
                 self._remove_damaged(
-                    store, keys[index], names[index], "payload length differs from its header"
+                    store, keys[index], names[index], "payload length differs from its header", size, judged
                 )
             # else: replaced again or gone since -- a miss, left alone
 
@@ -938,42 +943,101 @@ class MooncakeStoreBackend:
         self._in_parallel(check, len(keys), sum(buffer.nbytes for buffer in buffers))
 
     def _verified(self, store: Any, key: ObjectKey, name: str, slot: memoryview, payload: memoryview) -> bool:
-        header = self._header(store, key, name, slot)
+        size = HEADER_BYTES + payload.nbytes
+        header = self._header(store, key, name, slot, size)
         if header is None:
             return False
         if header.payload_len != payload.nbytes:
-            self._remove_damaged(store, key, name, "payload length differs from its header")
+            self._remove_damaged(store, key, name, "payload length differs from its header", size, slot)
             return False
         try:
             verify_payload(header, payload)
         except RecordError as exc:
-            self._remove_damaged(store, key, name, str(exc))
+            self._remove_damaged(store, key, name, str(exc), size, slot, payload)
             return False
         return True
 
-    def _header(self, store: Any, key: ObjectKey, name: str, slot: memoryview) -> Any:
-        """The verified header in ``slot``; None for a miss (damage is removed)."""
+    def _header(self, store: Any, key: ObjectKey, name: str, slot: memoryview, size: int) -> Any:
+        """The verified header in ``slot``, read from an object of ``size`` bytes; None for
+        a miss (damage is removed)."""
         try:
             header = self.context.read_record_header(slot, key)
         except RecordError as exc:
             # kept: another key's (a server whose key_prefix extends, or is extended by,
             # this one's) or a newer format's; damage is removed
             if not self._deletes.kept_record(key, exc):
-                self._remove_damaged(store, key, name, str(exc))
+                self._remove_damaged(store, key, name, str(exc), size, slot)
             return None
         if header is not None and header.header_len != HEADER_BYTES:
-            self._remove_damaged(store, key, name, f"header of {header.header_len} bytes, not {HEADER_BYTES}")
+            why = f"header of {header.header_len} bytes, not {HEADER_BYTES}"
+            self._remove_damaged(store, key, name, why, size, slot)
             return None
         return header  # None: written with another serde chain, kept (core counts it)
 
-    def _remove_damaged(self, store: Any, key: ObjectKey, name: str, why: str) -> None:
-        code = store.remove(name, True)
+    def _remove_damaged(
+        self,
+        store: Any,
+        key: ObjectKey,
+        name: str,
+        why: str,
+        size: int,
+        header: memoryview | bytes | None = None,
+        payload: memoryview | None = None,
+    ) -> None:
+        """Remove the object under ``name``, judged damaged (``why``) by a read that found
+        ``size`` bytes there, and in them ``header`` and ``payload`` (the parts judged) --
+        only if it still holds them.
+
+        Mooncake has no conditional remove, and another writer may have replaced the
+        object since it was read -- or while it was read, the read torn between the two:
+        the object there now is then that writer's valid record, whose store it
+        acknowledged, and removing it for the old one's damage would lose it.  So the
+        object is read again first and kept when it differs (a miss all the same,
+        counted: ``corrupt_reads_replaced``); only a replacement in the instant between
+        that read and the removal is removed.  An object that cannot be read again is
+        removed as judged."""
+        changed = self._replaced_since(store, name, size, header, payload)
+        if changed is not None and changed is not _GONE:
+            self.context.count("corrupt_reads_replaced")
+            self._throttle.warn(
+                "damaged_replaced", "%s: the record of %s read did not verify (%s), but the object "
+                "under its name is no longer the one read (%s): a miss, kept",
+                self.context.name, printable(key.file_stem()), why, changed,
+            )  # fmt: skip
+            return
+        # Gone: nothing to remove, and a remove could only hit the name another writer
+        # has reserved since (its put would then fail).
+        code = NOT_FOUND if changed is _GONE else store.remove(name, True)
         self.context.count("corrupt_records_removed")
-        outcome = "ok" if code in (0, NOT_FOUND) else describe(code)
+        outcome = {0: "ok", NOT_FOUND: "gone already"}.get(code) or describe(code)
         self._throttle.warn(
             "damaged", "%s: %s is not a valid record (%s): a miss, removed (%s)",
             self.context.name, printable(key.file_stem()), why, outcome,
         )  # fmt: skip
+
+    def _replaced_since(
+        self, store: Any, name: str, size: int, header: memoryview | bytes | None, payload: memoryview | None
+    ) -> str | None:
+        """How the object under ``name`` differs now from the ``size`` bytes, ``header``
+        and ``payload`` a read judged damaged; None when it still holds them, or cannot be
+        read to tell (the read failed); ``_GONE`` when there is no object."""
+        # Into memory of its own, not a lane or L1 (Mooncake stages unregistered memory).
+        again = bytearray(size)
+        view = memoryview(again)
+        code = store.get_into(name, address_of(view), size)
+        if code == _TOO_SMALL:
+            return f"now larger than the {size} bytes read"
+        if code == NOT_FOUND:
+            return _GONE
+        if code < 0:
+            return None  # unreadable now: removed as judged
+        if code != size:
+            return f"now {code} bytes, not the {size} read"
+        if header is not None and view[:HEADER_BYTES] != header:
+            return "another record header"
+        if payload is not None and view[HEADER_BYTES:] != payload.cast("B"):
+            return "another payload"
+        return None
 
     # -- delete ----------------------------------------------------------------------------
 
