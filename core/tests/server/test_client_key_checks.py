@@ -2,7 +2,8 @@
 anything is sent.  They used to go out as they were: the server answered MALFORMED
 (counted among its failures, as if a client were broken or hostile), and a store or
 lookup longer than one request had already stored, or locked, the parts before the bad
-key when the refusal came."""
+key when the refusal came.  So are prefetch handles that cannot be handles (a string, a
+bool, a negative number), which the server refused as malformed too."""
 
 from __future__ import annotations
 
@@ -82,3 +83,22 @@ def test_a_store_longer_than_one_request_stores_nothing_when_a_later_key_is_bad(
             client.store([*good, "not a key"], [CHUNK] * (len(good) + 1))  # type: ignore[list-item]
         assert client.lookup(good) == 0
         assert _requests_and_failures(client)[1].get("malformed", 0) == 0
+
+
+@pytest.mark.parametrize(
+    ("handle", "refusal"),
+    [("7", TypeError), (True, TypeError), (1.0, TypeError), (-1, ValueError), (1 << 63, ValueError)],
+    ids=repr,
+)
+@pytest.mark.parametrize("call", ["query_prefetch", "wait_prefetch"])
+def test_a_prefetch_call_refuses_what_cannot_be_a_handle_before_sending(
+    server: TiersServer, call: str, handle: Any, refusal: type[Exception]
+) -> None:
+    with Client(server.endpoint) as client:
+        before = _requests_and_failures(client)
+        with pytest.raises(refusal, match="prefetch handle"):
+            if call == "query_prefetch":
+                client.query_prefetch(handle)
+            else:
+                client.wait_prefetch(handle, 0.1)
+        assert _requests_and_failures(client) == before

@@ -10,7 +10,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from lmcache_tiers.client.connection import CLEANUP_TIMEOUT_S, Connection, checked_keys, checked_wait
+from lmcache_tiers.client.connection import (
+    CLEANUP_TIMEOUT_S,
+    Connection,
+    checked_handle,
+    checked_keys,
+    checked_wait,
+)
 from lmcache_tiers.client.errors import (
     ClientError,
     ConnectionLostError,
@@ -536,11 +542,12 @@ class Client(Connection):
 
     def query_prefetch(self, handle: int) -> int | None:
         """Non-blocking: the hit count of a started lookup, or None while it runs."""
-        return self._prefetch_status(p.QueryPrefetchStatus(0, "", handle), handle, None)
+        return self._prefetch_status(p.QueryPrefetchStatus(0, "", checked_handle(handle)), handle, None)
 
     def wait_prefetch(self, handle: int, timeout: float) -> int | None:
         """Wait up to ``timeout`` seconds for a started lookup; None if still running."""
-        request = p.WaitPrefetchStatus(0, "", handle, min(checked_wait(timeout), p.MAX_WAIT_S))
+        wait = min(checked_wait(timeout), p.MAX_WAIT_S)
+        request = p.WaitPrefetchStatus(0, "", checked_handle(handle), wait)
         # The server answers at its deadline; allow for the round trip on top.  A reply that
         # comes later still hands over the prefetch's locks: they are released then.
         return self._prefetch_status(request, handle, timeout + max(1.0, self.timeout))

@@ -160,6 +160,16 @@ def checked_keys(keys: Sequence[ObjectKey], where: str = "") -> list[ObjectKey]:
     return listed
 
 
+def checked_handle(handle: int) -> int:
+    """``handle`` if it can be a prefetch handle (the server's handles are 63-bit): another
+    value would be refused by the server as a malformed request, counted among its failures."""
+    if not isinstance(handle, int) or isinstance(handle, bool):
+        raise TypeError(f"a prefetch handle is an int, not a {type(handle).__name__}")
+    if not 0 <= handle < 1 << 63:
+        raise ValueError(f"no prefetch handle is {handle}: handles are 0 to 2**63 - 1")
+    return handle
+
+
 def _rest_of_message(sock: zmq.Socket[bytes]) -> list[bytes]:
     """The frames after a message's first, received as bytes (they arrive together with
     it, so these receives do not block)."""
