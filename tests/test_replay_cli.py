@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from replay_helpers import small_trace, start_block_server
@@ -313,3 +314,26 @@ def test_a_report_that_cannot_be_written_is_one_line_and_exit_1(tmp_path: Path, 
         )
     assert result.returncode == 1, result.stderr
     assert _error_line(result) == "error: cannot write the report to stdout: No space left on device"
+
+
+@pytest.mark.parametrize("flag", ["--policy", "--l2-policy"])
+def test_an_unknown_policy_is_refused_before_the_trace_is_re_timed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: str
+) -> None:
+    """--retime re-times the trace (minutes for a long one) before the policy names were
+    looked up: a typo cost that long."""
+    from lmcache_tiers.replay import analysis
+
+    prepared: list[object] = []
+    prepare = analysis.prepare
+
+    def noted(*args: Any) -> Any:
+        prepared.append(args)
+        return prepare(*args)
+
+    monkeypatch.setattr(analysis, "prepare", noted)
+    args = ["--simulate", "--retime", "0", "--capacity", "8", flag, "LRUU"]
+    result = run_cli_in_process(["replay", str(small_trace(tmp_path / "t.jsonl")), *args])
+    assert result.returncode == 2
+    assert "unknown eviction policy 'LRUU'" in _error_line(result)
+    assert prepared == []

@@ -463,11 +463,13 @@ def _simulate(
     ratio = 0.2 if eviction_ratio is None else eviction_ratio
     if not 0.0 < ratio <= 1.0:
         raise ConfigError(f"--eviction-ratio must be in (0, 1], got {ratio}")
-    analysis = prepare(trace, analysis_options)
-    trace = analysis.trace
-    factories = {**policy_factories(registry, _split(policy, "--policy") or None), **analysis.factories}
+    # Policy names before the analysis, which re-times a long trace for minutes.
+    policies = policy_factories(registry, _split(policy, "--policy") or None)
     l2_component = registry.get(Kind.EVICTION_POLICY, l2_policy)
     l2_factory = policy_factories(registry, [l2_component.name])[l2_component.name]
+    analysis = prepare(trace, analysis_options)
+    trace = analysis.trace
+    factories = {**policies, **analysis.factories}
     settings = TierSettings(
         reads_per_hit=reads_per_hit,
         trigger_watermark=watermark,
