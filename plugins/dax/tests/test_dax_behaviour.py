@@ -8,7 +8,12 @@ import threading
 import pytest
 from dax_helpers import SLOT, backend_of, client, config, flip_byte, load, open_dax, shm_dir, size_gb, store
 from lmcache_plugin_dax import DaxConfig, DaxDevice
-from slot_helpers import ZlibSerde, as_newer_format, lru_controller
+from slot_helpers import (
+    ZlibSerde,
+    as_newer_format,
+    check_an_object_replaced_by_another_size_is_a_counted_miss,
+    lru_controller,
+)
 
 from lmcache_tiers.l2.adapter import BackendCloseFailed
 from lmcache_tiers.testing.l2 import make_keys, pattern
@@ -316,6 +321,17 @@ def test_objects_larger_than_a_slot_are_refused_and_counted() -> None:
         try:
             assert store(adapter, make_keys(2), [b"a" * SLOT, b"b" * (SLOT + 1)]) == [True, False]
             assert adapter.stats()["object_too_large"] == 1
+        finally:
+            adapter.close()
+
+
+def test_an_object_replaced_by_another_size_since_the_lookup_is_a_counted_miss(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with shm_dir() as directory:
+        adapter = open_dax(config(directory / "dax.img"))
+        try:
+            check_an_object_replaced_by_another_size_is_a_counted_miss(adapter, caplog)
         finally:
             adapter.close()
 

@@ -149,3 +149,27 @@ def small_tmpfs(size: str) -> Iterator[str]:
     finally:
         subprocess.run(["umount", directory], check=False)
         os.rmdir(directory)
+
+
+def check_an_object_replaced_by_another_size_is_a_counted_miss(adapter: Any, caplog: Any) -> None:
+    """The lookup said 1000 bytes, then the key's object was replaced by one of 2000 (as a
+    store racing the load does): the load of a 1000-byte buffer is a miss, counted and
+    logged, and the object stays (a lookup now says its new size)."""
+    from lmcache_tiers.testing.l2 import make_keys
+
+    (key,) = make_keys(1)
+    assert store(adapter, [key], [b"a" * 1000]) == [True]
+    found = client(adapter).lookup_and_lock([key])
+    assert found.found == [True]
+    backend = adapter.backend
+    newer = memoryview(bytearray(b"b" * 2000))
+    assert backend.put_many([key], [newer]) == [True]
+    buffer = memoryview(bytearray(1000))
+    assert backend.get_many_into([key], [buffer]) == [False]
+    adapter.unlock([key])
+    assert bytes(buffer) == bytes(1000), "nothing is read into a buffer of another size"
+    assert adapter.stats().get("load_size_changed", 0) == 1
+    assert any(
+        "not loaded: it is 2000 bytes in its slot, the load buffer 1000" in r.message for r in caplog.records
+    )
+    assert backend.contains_many([key])[0].stored == 2000, "the object is kept"

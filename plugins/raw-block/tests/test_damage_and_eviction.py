@@ -11,7 +11,7 @@ from lmcache_plugin_raw_block import RawBlockConfig
 from lmcache_plugin_raw_block.backend import SUPERBLOCK_MAGIC, RawBlockBackend
 from lmcache_plugin_raw_block.slots import Claim
 from rb_helpers import PAYLOAD, Arena, backend_of, client, config, flip_byte, load, open_raw, store
-from slot_helpers import lru_controller
+from slot_helpers import check_an_object_replaced_by_another_size_is_a_counted_miss, lru_controller
 
 from lmcache_tiers.testing.l2 import make_keys, pattern
 
@@ -305,5 +305,15 @@ def test_slots_quarantined_after_a_media_error_leave_the_capacity(
         controller.step(set())
         assert store(adapter, make_keys(1, start=99), [b"x" * 100]) == [True], "eviction made room"
         assert adapter.stats().get("no_free_slot", 0) == 0
+    finally:
+        adapter.close()
+
+
+def test_an_object_replaced_by_another_size_since_the_lookup_is_a_counted_miss(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    adapter = open_raw(config(tmp_path / "dev.img"))
+    try:
+        check_an_object_replaced_by_another_size_is_a_counted_miss(adapter, caplog)
     finally:
         adapter.close()

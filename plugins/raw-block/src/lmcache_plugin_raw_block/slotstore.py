@@ -258,11 +258,14 @@ class SlotStoreBackend(ABC):
         entries = self.table.acquire(keys)
         try:
             results = [False] * len(keys)
-            wanted = [
-                i
-                for i, entry in enumerate(entries)
-                if entry is not None and entry.stored == buffers[i].nbytes
-            ]
+            wanted = []
+            for index, entry in enumerate(entries):
+                if entry is None:
+                    continue
+                if entry.stored != buffers[index].nbytes:
+                    self._size_changed(keys[index], entry.stored, buffers[index].nbytes)
+                    continue
+                wanted.append(index)
             outcomes = self._load_group(
                 [keys[i] for i in wanted], [entries[i] for i in wanted], [buffers[i] for i in wanted]
             )
@@ -315,6 +318,20 @@ class SlotStoreBackend(ABC):
             # not outlive this call, and the error is kept and logged.
             return exc.with_traceback(None)
         return self._still_current(entry)
+
+    def _size_changed(self, key: ObjectKey, stored: int, wanted: int) -> None:
+        """The key's object is not the size the load's buffer was made for (replaced since
+        the lookup by one of another size): a miss, nothing read, the object kept."""
+        self.context.count("load_size_changed")
+        self._burst.warn(
+            "size_changed",
+            "%s: %s not loaded: it is %d bytes in its slot, the load buffer %d (replaced since "
+            "the lookup); a miss, the object kept",
+            self.type_name,
+            key.file_stem(),
+            stored,
+            wanted,
+        )
 
     def _stopped_closing(self, what: str, count: int) -> None:
         """Count and explain objects of a store or load not moved: the adapter is closing."""
