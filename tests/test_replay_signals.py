@@ -233,3 +233,24 @@ def test_ctrl_c_as_the_command_starts_is_one_line(tmp_path: Path) -> None:
     assert replay.returncode == 130, err
     assert out == ""
     assert _one_error_line(err) == "error: interrupted (SIGINT) as the command started"
+
+
+def test_a_signal_as_the_trace_is_re_timed_names_that_step(tmp_path: Path) -> None:
+    """--retime re-times the trace before the simulation (a minute per 100,000 requests):
+    a signal there said 'while checking the options'."""
+    marker = tmp_path / "re-timed"
+    trace = str(small_trace(tmp_path / "t.jsonl"))
+    args = ["replay", trace, "--simulate", "--retime", "0", "--capacity", "8"]
+    replay = _launch_held("lmcache_tiers.replay.analysis", "prepare", marker, args)
+    try:
+        _wait_for(marker, replay)
+        replay.send_signal(signal.SIGTERM)
+        out, err = replay.communicate(timeout=60)
+    finally:
+        replay.kill()
+    assert replay.returncode == 128 + signal.SIGTERM, err
+    assert out == ""
+    assert _one_error_line(err) == (
+        "error: interrupted (SIGTERM) while re-timing the trace (--retime); "
+        "no report: the simulation had not started"
+    )

@@ -467,7 +467,14 @@ def _simulate(
     policies = policy_factories(registry, _split(policy, "--policy") or None)
     l2_component = registry.get(Kind.EVICTION_POLICY, l2_policy)
     l2_factory = policy_factories(registry, [l2_component.name])[l2_component.name]
-    analysis = prepare(trace, analysis_options)
+    if analysis_options.retime_seed is None:
+        analysis = prepare(trace, analysis_options)
+    else:
+        # about a minute per 100,000 requests, before the simulation's own bar
+        step("re-timing the trace (--retime)", "no report: the simulation had not started")
+        with _progress(not as_json) as waiting:
+            waiting.add_task("re-timing the trace", total=None)
+            analysis = prepare(trace, analysis_options)
     trace = analysis.trace
     factories = {**policies, **analysis.factories}
     settings = TierSettings(
