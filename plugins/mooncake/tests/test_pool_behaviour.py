@@ -625,6 +625,39 @@ def test_a_record_of_an_unknown_format_version_is_a_miss_that_is_kept(
     assert stats["record_version_unknown"] >= 1
 
 
+@pytest.mark.parametrize("serde", [(), (Xor(),)], ids=["no_chain", "chain"])
+def test_an_accounted_key_whose_record_a_load_found_not_its_own_is_a_miss_next(
+    mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter], serde: tuple[Any, ...]
+) -> None:
+    """A key this server stored is answered from core's accounting by a lookup (no header
+    read).  When another writer replaced its object with a record this server keeps but
+    cannot read (a newer format here; another key's is the same), the load that finds it
+    is a miss -- and the next lookup must be one too, releasing the accounted bytes,
+    instead of a hit that every load then fails."""
+    adapter = open_adapter(config_for(mooncake_pool), serde=serde)
+    adapters.append(adapter)
+    eventually(lambda: not adapter.stats()["scan_running"], what="the start-up scan")
+    (key,) = make_keys(1)
+    store(adapter, [key])
+    name = name_of(adapter, key)
+    record = bytearray(_record(key, pattern(7, SIZE), serde=tuple(s.name for s in serde)))
+    _make_newer_format(record)
+    assert raw.remove(name, True) == 0 and raw.put(name, bytes(record)) == 0
+
+    result = BlockingAdapterClient(adapter).lookup_and_lock([key])
+    assert result.found == [True], "answered from core's accounting"
+    ok, _ = load(adapter, [key], result.sizes)
+    adapter.unlock([key])
+    assert ok == [False]
+    result = BlockingAdapterClient(adapter).lookup_and_lock([key])
+    if result.found == [True]:
+        adapter.unlock([key])
+    assert result.found == [False], "a hit no load can serve"
+    assert adapter.used_bytes() == 0, "the bytes of a record not this server's stay accounted"
+    assert raw.is_exist(name) == 1, "the newer server's record was removed"
+    assert adapter.stats().get("corrupt_records_removed", 0) == 0
+
+
 def test_damage_in_a_batch_verified_on_several_threads_is_a_miss_and_is_removed(
     mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter]
 ) -> None:

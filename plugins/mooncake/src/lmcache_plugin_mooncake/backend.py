@@ -967,6 +967,12 @@ class MooncakeStoreBackend:
             # this one's) or a newer format's; damage is removed
             if not self._deletes.kept_record(key, exc):
                 self._remove_damaged(store, key, name, str(exc), size, slot)
+            elif self.context.l1_size_of(key) is not None:
+                # The next lookup reads it again, a miss, so core releases what it
+                # accounts for the key: answered from that accounting (no header read),
+                # it would be a hit that every load fails, each reading the whole record.
+                with self._resized_lock:
+                    self._reread.add(name)
             return None
         if header is not None and header.header_len != HEADER_BYTES:
             why = f"header of {header.header_len} bytes, not {HEADER_BYTES}"
