@@ -440,12 +440,64 @@ class S3Backend:
         return ObjectSize(header.payload_len, header.l1_size)
 
     async def _load(self, key: ObjectKey, buffer: memoryview) -> bool:
+        """Read ``key``'s record into ``buffer``.  Damage is judged by a second read of the
+        same object (``If-Match`` the ETag of the first) before the object is removed: a
+        read can be damaged on the way -- a faulty link or middlebox, which plain HTTP has
+        only TCP's checksum against -- while the object in the store is an intact,
+        acknowledged write.  A second read that finds it intact loads it (counted
+        ``load_damage_not_repeated``); one that finds it damaged again has it removed."""
         name = self.names.of(key)
         #: the ETag of the object read: a damaged one is removed only if it is still that one
         read: dict[str, str | None] = {}
+        try:
+            return await self._read_into(key, name, buffer, read)
+        except _Damaged as exc:
+            first_damage = str(exc)
+        try:
+            loaded = await self._read_into(key, name, buffer, read, if_match=read.get("etag"))
+        except _Damaged as exc:
+            await self._remove_damaged(name, str(exc), read.get("etag"))
+            return False
+        except Exception as exc:
+            if error_code(exc) != "PreconditionFailed":
+                raise
+            # Replaced since the first read: the object judged is gone, and a miss is safe;
+            # the new one is judged by the next load.
+            self.context.count("load_replaced_before_reread")
+            self.context.warn(
+                "replaced_before_reread",
+                "a load of %s found damage (%s), and the object was replaced before it was read "
+                "again; a miss, the new object is kept",
+                key.file_stem(),
+                first_damage,
+            )
+            return False
+        if loaded:
+            self.context.count("load_damage_not_repeated")
+            self.context.warn(
+                "damage_not_repeated",
+                "a read of %s found damage (%s) that a second read of the same object did not: "
+                "damaged on the way, not in the store; loaded from the second read, kept",
+                key.file_stem(),
+                first_damage,
+            )
+        return loaded
+
+    async def _read_into(
+        self,
+        key: ObjectKey,
+        name: str,
+        buffer: memoryview,
+        read: dict[str, str | None],
+        if_match: str | None = None,
+    ) -> bool:
+        """One GET of ``name`` into ``buffer``: True once the payload is there, verified;
+        False for a miss (gone, kept, replaced by one of another length); :class:`_Damaged`
+        for an object that is not a readable record of ``key`` as read."""
 
         async def into_buffer() -> bool:
-            answer = await self.client.request("get_object", Key=name)
+            condition = {"IfMatch": if_match} if if_match else {}
+            answer = await self.client.request("get_object", Key=name, **condition)
             read["etag"] = answer.get("ETag")
             body = answer["Body"]
             length = int(answer["ContentLength"])
@@ -492,11 +544,10 @@ class S3Backend:
 
         try:
             return await self.client.bounded(into_buffer)
-        except _Damaged as exc:
-            await self._remove_damaged(name, str(exc), read.get("etag"))
-            return False
         except ShortBody as exc:
             raise S3RequestError(f"load of {key.file_stem()}: {exc}") from exc
+        except _Damaged:
+            raise
         except Exception as exc:
             if is_missing_object(exc):  # deleted since the lookup, e.g. by another server
                 return False
