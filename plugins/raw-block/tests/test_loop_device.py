@@ -121,6 +121,36 @@ def test_a_device_held_exclusively_by_another_opener_is_refused() -> None:
         open_raw(cfg).close()
 
 
+def test_the_file_behind_a_loop_device_in_use_is_refused_and_the_other_way_round() -> None:
+    """An adapter naming a loop device and another naming the file behind it would write
+    the same bytes, each taking them for its own device: the second is refused, whichever
+    comes first, and the file is free again once the first adapter closed."""
+    with loop_device(size=sized_config("x").capacity_bytes, directory=tempfile.mkdtemp()) as device:
+        backing = Path(_backing_file_of(device))
+        on_device, on_file = sized_config(device), sized_config(backing)
+        first = open_raw(on_device)
+        try:
+            assert store(first, make_keys(1), [b"a" * 1000]) == [True]
+            with pytest.raises(ConfigError, match="in use by another raw_block adapter"):
+                open_raw(on_file)
+            assert load(first, make_keys(1), [1000]) == ([True], [b"a" * 1000])
+        finally:
+            first.close()
+        second = open_raw(on_file)  # the loop device's adapter let the file go
+        try:
+            with pytest.raises(ConfigError, match=f"{device} is a loop device over {backing}, which another"):
+                open_raw(on_device)
+        finally:
+            second.close()
+
+
+def _backing_file_of(device: str) -> str:
+    listed = subprocess.run(
+        ["losetup", "--noheadings", "--output", "BACK-FILE", device], capture_output=True, text=True
+    )
+    return listed.stdout.strip()
+
+
 def test_block_align_below_the_logical_block_size_is_refused() -> None:
     with loop_device(sector_size=4096) as device:
         config = RawBlockConfig(device_path=device, slot_bytes=1 << 20, block_align=512, header_bytes=512)

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 
 from lmcache_plugin_raw_block.aligned import AlignedBlock, round_up
 from lmcache_plugin_raw_block.config import RawBlockConfig
-from lmcache_plugin_raw_block.guards import InFlight, lock_device, probe_device, remove_created
+from lmcache_plugin_raw_block.guards import (
+    InFlight,
+    lock_device,
+    lock_loop_backing_file,
+    probe_device,
+    remove_created,
+)
 from lmcache_plugin_raw_block.superblock import (
     RAW_BLOCK_MAGIC,
     SIGNATURE_PROBE_BYTES,
@@ -40,6 +46,8 @@ class BlockDevice:
     align: int
     #: the stat of the file this start-up created at ``path`` (None: it was there before)
     created: os.stat_result | None = None
+    #: a descriptor holding the lock on the file behind a loop device (-1: none)
+    backing_lock_fd: int = -1
 
     def __post_init__(self) -> None:
         self.in_flight = InFlight()
@@ -78,6 +86,9 @@ class BlockDevice:
         """Close the descriptor (and so drop the lock) once no call uses it any more."""
         if self.in_flight.drain(timeout_s):
             os.close(self.fd)
+            if self.backing_lock_fd >= 0:
+                os.close(self.backing_lock_fd)
+                self.backing_lock_fd = -1
         else:
             log.error("%s: %s left open: device calls are still running", _NAME, self.path)
 
@@ -267,19 +278,25 @@ def open_device(config: RawBlockConfig) -> BlockDevice:
     if not (stat.S_ISBLK(mode) or stat.S_ISREG(mode)):
         raise ConfigError(f"{_NAME}: device_path {path} is neither a block device nor a regular file")
     is_block_device = stat.S_ISBLK(mode)
-    fd = -1
+    fd = backing_lock_fd = -1
     try:
         fd = _open(config, is_block_device)
         lock_device(fd, path, _NAME)
-        if not is_block_device:
+        if is_block_device:
+            backing_lock_fd = lock_loop_backing_file(fd, path, _NAME)
+        else:
             _refuse_foreign_file(fd, config)
         size = _size(fd, config, is_block_device)
         _check_alignment(fd, config, is_block_device)
     except BaseException:
         if fd >= 0:
             os.close(fd)
+        if backing_lock_fd >= 0:
+            os.close(backing_lock_fd)
         # A refused start-up leaves no file behind it: only the one it created goes.
         if created is not None:
             remove_created(path, created, _NAME)
         raise
-    return BlockDevice(fd, path, size, is_block_device, config.use_odirect, config.block_align, created)
+    return BlockDevice(
+        fd, path, size, is_block_device, config.use_odirect, config.block_align, created, backing_lock_fd
+    )

@@ -43,6 +43,65 @@ def lock_device(fd: int, path: str, type_name: str) -> None:
         ) from None
 
 
+def _loop_backing_file(device_fd: int) -> str | None:
+    """The file a loop block device (or a partition of one) reads and writes, or None:
+    not a loop device, detached, or its file deleted (nothing else can open it then)."""
+    rdev = os.fstat(device_fd).st_rdev
+    node = os.path.realpath(f"/sys/dev/block/{os.major(rdev)}:{os.minor(rdev)}")
+    for directory in (node, os.path.dirname(node)):  # a partition's loop is its parent's
+        try:
+            with open(os.path.join(directory, "loop", "backing_file")) as handle:
+                backing = handle.read().rstrip("\n")
+        except OSError:
+            continue
+        return None if backing.endswith(" (deleted)") else backing
+    return None
+
+
+def lock_loop_backing_file(device_fd: int, path: str, type_name: str) -> int:
+    """For a loop device: ``flock(LOCK_EX)`` on the file behind it, held as long as the
+    descriptor returned stays open (-1: not a loop device, nothing held).
+
+    The device's own lock and exclusive open do not reach that file: an adapter (this
+    server's or another's, ``raw_block`` or ``dax``) naming the file itself would
+    otherwise take the same bytes for its own device and overwrite the slots of the
+    one naming the loop device.  Each takes the lock on the file, so the second is
+    refused whichever comes first.
+    """
+    backing = _loop_backing_file(device_fd)
+    if backing is None:
+        return -1
+    try:
+        fd = os.open(backing, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        # Not even readable here (or gone from this mount namespace): no adapter of this
+        # user can open it read-write as its device either, so none can clash with this one.
+        log.warning(
+            "%s: %s is a loop device over %s, which cannot be opened to lock it (%s); an adapter "
+            "naming that file is not refused",
+            type_name,
+            path,
+            backing,
+            exc.strerror,
+        )
+        return -1
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(
+            f"{type_name}: {path} is a loop device over {backing}, which another adapter (this "
+            "server or another one) holds; give each adapter a device of its own"
+        ) from None
+    except OSError as exc:
+        os.close(fd)
+        raise ConfigError(
+            f"{type_name}: cannot lock {backing} (behind the loop device {path}) against a second "
+            f"server: {exc.strerror}"
+        ) from None
+    return fd
+
+
 def remove_created(path: str, created: os.stat_result, type_name: str) -> None:
     """Remove the file a refused start-up created at ``path`` (``created``: its stat), once
     every descriptor of it this adapter opened is closed.
