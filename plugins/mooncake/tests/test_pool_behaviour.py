@@ -298,6 +298,58 @@ def test_a_put_whose_publishing_fails_leaves_nothing_behind(
     assert adapter.stats()["store_withdrawn"] == 4 and adapter.stats().get("withdraw_failures", 0) == 0
 
 
+class _FailingWriteAndRevoke:
+    """The adapter's client, except that the first record of a put is not written whole
+    (-800, as a segment host that stopped answering) and giving up its reservation fails:
+    ``raise`` raises, ``unanswered`` answers "master RPC failed" (its session left open)."""
+
+    def __init__(self, store: Any, mode: str) -> None:
+        self._store, self._mode = store, mode
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self._store, attribute)
+
+    def batch_put_from_multi_buffer_ranges(self, names: list[str], *rest: Any) -> list[int]:
+        return [-800, *list(self._store.batch_put_from_multi_buffer_ranges(names, *rest))[1:]]
+
+    def batch_put_session_revoke(self, names: list[str]) -> list[int]:
+        if self._mode == "raise":
+            raise RuntimeError("revoking failed")
+        return [-900] * len(names)
+
+
+@pytest.mark.parametrize("mode", ["raise", "unanswered"])
+def test_a_reservation_a_failed_write_cannot_give_up_is_counted_and_logged(
+    mooncake_pool: LocalCluster,
+    raw: Any,
+    adapters: list[BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+    mode: str,
+) -> None:
+    """A record whose write failed has its session revoked; when that fails, the session
+    holds the name (refusing every writer) until the master's own timeout: counted as a
+    withdrawal that failed, and logged, as one of a failed batch is."""
+    adapter = open_adapter(config_for(mooncake_pool))
+    adapters.append(adapter)
+    keys = make_keys(2)
+    names = [name_of(adapter, key) for key in keys]
+    backend = backend_of(adapter)
+    real = backend.connection.store()
+    backend.connection.store = lambda: _FailingWriteAndRevoke(real, mode)  # type: ignore[method-assign]
+    try:
+        ok = BlockingAdapterClient(adapter).store(keys, [memoryview(pattern(i, SIZE)) for i in range(2)])
+    finally:
+        del backend.connection.store
+    try:
+        assert ok == [False, True]
+        assert adapter.stats()["withdraw_failures"] == 1
+        assert "could not be given up" in caplog.text
+    finally:
+        # (only the client that opened a session can give it up)
+        assert real.batch_put_session_revoke([names[0]]) == [0], "the session was left open"
+    assert raw.batch_is_exist(names) == [0, 1]
+
+
 class _FailingReplace:
     """The adapter's client, except that its first remove (replacing an object another
     client put under a name) fails as if the master had not answered."""

@@ -614,18 +614,29 @@ class MooncakeStoreBackend:
 
     def _revoke(self, store: Any, names: list[str]) -> None:
         """Give up reserved names whose data did not arrive (the master would discard
-        them only after its own timeout, keeping them from other writers until then)."""
+        them only after its own timeout, keeping them from other writers until then).
+        Those the master was not told of are counted (``withdraw_failures``) and logged."""
         if not names:
             return
         try:
-            codes = store.batch_put_session_revoke(names)
+            codes = list(store.batch_put_session_revoke(names))
         except Exception as exc:  # the put already failed; its failure is what is raised
-            logger.debug("%s: revoking %d put sessions failed: %s", self.context.name, len(names), exc)
-            return
-        if any(code not in (0, NOT_FOUND) for code in codes):
+            left, why = len(names), str(exc)
+        else:
+            unanswered = [code for code in codes if code in UNREACHABLE]
+            left, why = len(unanswered), describe(unanswered[0]) if unanswered else ""
+            others = [code for code in codes if code not in (0, NOT_FOUND, *UNREACHABLE)]
+            if others:  # no session left to give up (the master discarded it)
+                self._throttle.warn(
+                    "revoke", "%s: revoking a failed put returned %s", self.context.name, describe(others[0])
+                )
+        if left:
+            self.context.count("withdraw_failures", left)
             self._throttle.warn(
-                "revoke", "%s: revoking a failed put returned %s", self.context.name, describe(min(codes))
-            )
+                "revoke_left", "%s: %d reservations of a failed put could not be given up (%s): "
+                "their names are refused to every writer until the master's own timeout",
+                self.context.name, left, why,
+            )  # fmt: skip
 
     def _withdraw(self, store: Any, names: list[str]) -> None:
         """Leave none of ``names`` reserved or visible after their batch failed: each is
