@@ -294,7 +294,8 @@ def test_a_close_whose_fsync_stalls_on_a_frozen_filesystem_is_bounded() -> None:
         finally:
             subprocess.run(["fsfreeze", "--unfreeze", mount], check=True)
         _wait_for_calls(adapter)  # the fsync returns once the filesystem thaws
-        os.close(backend._device.fd)  # left open for it: give the device back by hand
+        os.close(backend._device.fd)  # left open for it: give the device back by hand,
+        os.close(backend._device.backing_lock_fd)  # and the lock of the file behind it
         reopened = open_raw(cfg)
         try:
             assert load(reopened, keys, [9000, 9000]) == ([True, True], [pattern(0, 9000), pattern(1, 9000)])
