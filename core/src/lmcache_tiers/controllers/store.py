@@ -238,11 +238,19 @@ class StoreController(ControllerThread):
 
     def _submit_slices(self) -> None:
         urgent = self.stopping or self._urgent > 0
-        pieces, self._step_in = self._pacer.take(urgent=urgent)
-        for piece in pieces:
-            if self._left_behind():
-                return  # the pieces taken are dropped: the close counted their objects
-            self._submit(piece)
+        while True:
+            pieces, self._step_in = self._pacer.take(urgent=urgent)
+            tasks = 0
+            for piece in pieces:
+                if self._left_behind():
+                    return  # the pieces taken are dropped: the close counted their objects
+                tasks += self._submit(piece)
+            # A slice that became no task (its objects left L1, its submit failed) gave its
+            # room in flight back at once, and no adapter will report it: the slices behind
+            # it are taken now, not at the next wake-up -- which, with nothing in flight,
+            # is the next commit or the controller's interval, slice after slice.
+            if tasks == len(pieces):
+                break
         self._waiting_slices = len(self._pacer)
         self._pace_threads(urgent or self._pacer.pressed)
 
@@ -341,7 +349,8 @@ class StoreController(ControllerThread):
             count=count,
         )
 
-    def _submit(self, piece: Slice) -> None:
+    def _submit(self, piece: Slice) -> bool:
+        """Hand ``piece`` to its adapter as a store task; False if it became none."""
         slot, batch = piece.slot, piece.batch
         # Keys deleted or evicted since their commit are simply not stored.
         locked = self.l1.reserve_store(piece.keys)
@@ -358,12 +367,12 @@ class StoreController(ControllerThread):
             self.stats.add("l2_store_skipped_gone", len(piece.keys) - len(keys))
         if not keys:
             self._slice_ended(piece)
-            return
+            return False
         objects, buffers = self._lend(slot, [locked[key] for key in keys])
         keys = [obj.key for obj in objects]
         if not objects:
             self._slice_ended(piece)
-            return
+            return False
         try:
             layouts = [obj.layout for obj in objects]
             task_id = slot.adapter.submit_store(keys, buffers, layouts if any(layouts) else None)
@@ -374,13 +383,14 @@ class StoreController(ControllerThread):
             self.stats.fail("l2_store_submit_error", len(keys))  # keys, as l2_store_failed
             logger.warning("store of %d keys to %s could not be submitted: %s", len(keys), slot.name, exc)
             self._slice_ended(piece)
-            return
+            return False
         task = _Task(slot, task_id, keys, objects, batch, piece.nbytes, time.monotonic())
         self._tasks.track(slot, task_id, task)
         with self._running_lock:
             self._running[id(task)] = objects
         self.stats.add_adapter(slot.index, "store_tasks_submitted")
         logger.debug("Submitted store task %d to %s: %d keys", task_id, slot.name, len(keys))
+        return True
 
     def _lend(self, slot: AdapterSlot, objects: list[L1Object]) -> tuple[list[L1Object], list[memoryview]]:
         """The objects whose bytes L1 lends, with their buffers.  The loans live as long as

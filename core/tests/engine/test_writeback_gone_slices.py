@@ -1,0 +1,55 @@
+"""Slices that never become store tasks do not hold back the slices queued behind them.
+
+A slice whose objects all left L1 before their store (a clear, an eviction under
+pressure) ends as soon as it is taken: no task runs, so no adapter report wakes the store
+controller for the next one.  The controller's regular interval is made an hour here, so
+a slice queued behind such one reaches L2 only if the step that took it goes on to take
+the next -- no assertion depends on how fast the machine is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from engine_support import GatedConfig, gated_backend, keys_of, store
+
+from lmcache_tiers.config import AdapterSpec
+from lmcache_tiers.controllers import store_pacing
+
+SIZE = 32 * 1024
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def test_a_write_queued_behind_slices_of_cleared_objects_is_stored(engine, monkeypatch) -> None:
+    monkeypatch.setattr(store_pacing, "SLICE_BYTES", SIZE)
+    monkeypatch.setattr(store_pacing, "INFLIGHT_BYTES", SIZE)  # one slice in flight at a time
+    storage = engine([AdapterSpec(type="gated", config=GatedConfig())])
+    storage.store.interval_s = 3600.0  # only wake-ups move it: adapter reports and commits
+    backend = gated_backend(storage)
+    backend.store_gate.clear()
+    first, *cleared = keys_of(1, 3)
+    store(storage, [first, *cleared], SIZE)  # one slice per object: one parked, two waiting
+    assert wait_for(lambda: storage.store.in_flight() == 1 and storage.store.pending_batches() == 2)
+    assert storage.clear() == 2  # the waiting ones go (counted); the one being stored is locked
+    later = keys_of(2, 1)
+    store(storage, later, SIZE)  # queued behind the two slices of cleared objects
+    assert wait_for(lambda: storage.store.pending_batches() == 3)
+    backend.store_gate.set()
+    # The parked store's report wakes the controller once: the slices of cleared objects
+    # end without a task, and the later write's slice must go in that same step.
+    assert wait_for(lambda: set(storage.adapters[0].iter_keys()) == {first, *later}), (
+        "the write queued behind slices of cleared objects waited for a wake-up that never came"
+    )
+    assert storage.store.pending_batches() == 0
+    failures = storage.stats.failures()
+    assert failures.get("l1_cleared_before_l2_store") == 2
+    assert storage.stats.get("l2_store_skipped_gone") == 2
