@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -119,6 +120,8 @@ class Client(Connection):
         cleanup_timeout: float = CLEANUP_TIMEOUT_S,
     ) -> None:
         self._segment: MappedSegment | None = None
+        # how many open retrieve blocks of this client read each key (see _stop_reading)
+        self._reading: Counter[ObjectKey] = Counter()
         self._shm = shm
         # the HELLO whose segment is mapped (a server that restarted offers another one)
         self._mapped_from: p.HelloReply | None = None
@@ -578,10 +581,12 @@ class Client(Connection):
 
         Shared-memory views point into the server's memory and are valid only inside the
         ``with`` block; on exit they are released together with every lock this client
-        holds on ``keys`` (including its LOOKUP's), so do not nest retrieves of the same
-        keys.  If the lease of some objects ended early (a forced clear, or held past the
-        lock TTL) and their extents changed hands while the block ran, leaving it raises
-        :class:`StaleReadError` naming them: whatever was read from those views is void.
+        holds on ``keys`` (including its LOOKUP's), except the locks on keys another open
+        block of this client reads (nested, or on another thread): the last block of a key
+        releases it.  If the lease of some objects ended early (a forced clear, or held
+        past the lock TTL) and their extents changed hands while the block ran, leaving it
+        raises :class:`StaleReadError` naming them: whatever was read from those views is
+        void.
         """
         keys = checked_keys(keys)
         if layouts is not None and len(layouts) != len(keys):
@@ -635,6 +640,8 @@ class Client(Connection):
         ``_reader_layouts``).  On failure every lock this client holds on ``keys`` is
         given back (its LOOKUP's too)."""
         slots: list[p.Slot] = []
+        with self._lock:
+            self._reading.update(keys)
         try:
             for part in self._batches(len(keys)):
                 batch = keys[part]
@@ -650,7 +657,7 @@ class Client(Connection):
                 if len(reply.slots) < len(batch):
                     break
         except BaseException as exc:
-            self._give_back(keys, exc)
+            self._stop_reading(keys, exc)
             raise
         return slots
 
@@ -668,14 +675,32 @@ class Client(Connection):
         try:
             yield
         except BaseException as exc:
-            self._give_back(keys, exc, taken_over)
+            self._stop_reading(keys, exc, taken_over)
             raise
-        if not keys or self._closed:
-            return
-        if self._link_dropped_since(taken_over):
-            self._locks_left_to_ttl(len(keys))
-            return
-        self._release_on_leaving(keys)
+        self._stop_reading(keys, None, taken_over)
+
+    def _stop_reading(
+        self, keys: list[ObjectKey], failure: BaseException | None, taken_over: int | None = None
+    ) -> None:
+        """A block reading ``keys`` (counted by ``_acquire``) ends, its RETRIEVE failed or
+        the block left (after ``failure``, or normally): the locks on the keys that no
+        other open block of this client reads are given back.  A RELEASE drops every lock
+        the client holds on a key, so blocks of the same keys that overlap -- on threads
+        sharing the client, or nested -- would end each other's leases, and their extents
+        could change hands under the views still read: the last block out releases them.
+        Under the lock throughout, so that no block starts or ends in between."""
+        with self._lock:
+            self._reading.subtract(keys)
+            free = [key for key in dict.fromkeys(keys) if self._reading[key] <= 0]
+            for key in free:
+                del self._reading[key]
+            if failure is not None:
+                self._give_back(free, failure, taken_over)
+            elif free and not self._closed:
+                if taken_over is not None and self._link_dropped_since(taken_over):
+                    self._locks_left_to_ttl(len(free))
+                else:
+                    self._release_on_leaving(free)
 
     def _link_dropped_since(self, taken_over: int) -> bool:
         """Whether the connection that took locks after ``taken_over`` drops has dropped."""
@@ -705,9 +730,10 @@ class Client(Connection):
         failure, and without waiting another timeout for a server that did not answer.
         ``taken_over`` (see ``_leased``): for a failure that may not be this client's, the
         drops seen before the locks were taken."""
+        with self._lock:  # not the keys an open retrieve block reads: it releases them
+            keys = [key for key in keys if not self._reading[key]]
         if self._closed or not keys:
             return
-        keys = list(keys)
         lost = (
             isinstance(failure, ConnectionLostError)
             if taken_over is None
