@@ -138,7 +138,10 @@ def test_the_file_behind_a_loop_device_in_use_is_refused_and_the_other_way_round
             first.close()
         second = open_raw(on_file)  # the loop device's adapter let the file go
         try:
-            with pytest.raises(ConfigError, match=f"{device} is a loop device over {backing}, which another"):
+            held = f"{device} is a loop device over {backing}, which another adapter"
+            with pytest.raises(FieldError, match=held):  # by the pre-flight, before L1 is built
+                RawBlockBackend.preflight(on_device)
+            with pytest.raises(ConfigError, match=held):
                 open_raw(on_device)
         finally:
             second.close()

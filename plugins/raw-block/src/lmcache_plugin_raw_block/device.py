@@ -18,6 +18,7 @@ from lmcache_plugin_raw_block.guards import (
     lock_device,
     lock_loop_backing_file,
     probe_device,
+    probe_loop_backing_file,
     remove_created,
 )
 from lmcache_plugin_raw_block.superblock import (
@@ -115,6 +116,7 @@ def preflight_device(config: RawBlockConfig) -> None:
         )
     check_file(path, "device_path", devices="block")
     probe_device(path, "device_path", _NAME)
+    probe_loop_backing_file(path, "device_path", _NAME)
     if _held_exclusively(path):
         raise FieldError("device_path", f"cannot open {path}: {_HELD}")
 

@@ -89,10 +89,7 @@ def lock_loop_backing_file(device_fd: int, path: str, type_name: str) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise ConfigError(
-            f"{type_name}: {path} is a loop device over {backing}, which another adapter (this "
-            "server or another one) holds; give each adapter a device of its own"
-        ) from None
+        raise ConfigError(f"{type_name}: {_backing_in_use(path, backing)}") from None
     except OSError as exc:
         os.close(fd)
         raise ConfigError(
@@ -100,6 +97,45 @@ def lock_loop_backing_file(device_fd: int, path: str, type_name: str) -> int:
             f"server: {exc.strerror}"
         ) from None
     return fd
+
+
+def probe_loop_backing_file(path: str, field: str, type_name: str) -> None:
+    """Pre-flight of :func:`lock_loop_backing_file`: refuse a loop device ``path`` whose
+    file another adapter holds now.  Tried and let go at once; the open stays the
+    authority."""
+    try:
+        if not stat.S_ISBLK(os.stat(path).st_mode):
+            return
+        device_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:  # the open says what it says
+        return
+    try:
+        backing = _loop_backing_file(device_fd)
+    finally:
+        os.close(device_fd)
+    if backing is None:
+        return
+    try:
+        fd = os.open(backing, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FieldError(field, _backing_in_use(path, backing)) from None
+        except OSError:
+            return
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _backing_in_use(path: str, backing: str) -> str:
+    return (
+        f"{path} is a loop device over {backing}, which another adapter (this server or "
+        "another one) holds; give each adapter a device of its own"
+    )
 
 
 def remove_created(path: str, created: os.stat_result, type_name: str) -> None:
