@@ -230,6 +230,8 @@ def signals_unwind(*, then_ignore: bool = False) -> Iterator[None]:
                 signal.Signals(signum).name,
             )
             signum = _deferral.pending  # the replay stops as the first signal asked (its exit code)
+            # A second signal all the same: the clean-up that follows is cut short too.
+            _cut_short.asked = _cut_short.asked or _cut_short.armed
         _ignore_signals()
         _deferral.pending = None
         raise _unwinding(signum)
