@@ -53,3 +53,35 @@ def test_a_write_queued_behind_slices_of_cleared_objects_is_stored(engine, monke
     failures = storage.stats.failures()
     assert failures.get("l1_cleared_before_l2_store") == 2
     assert storage.stats.get("l2_store_skipped_gone") == 2
+
+
+def test_slices_for_a_slow_adapter_whose_objects_left_l1_do_not_pile_up(engine, monkeypatch) -> None:
+    # The default store policy sends every key to every adapter.  The second adapter here
+    # takes nothing (its store is parked); the first stores each write, which L1 then
+    # drops.  The second's waiting slices name objects no tier will ever store from L1,
+    # and writes would queue them for as long as it stays slower than the writes.
+    monkeypatch.setattr(store_pacing, "INFLIGHT_BYTES", SIZE)  # one slice in flight at a time
+    l1_bytes = 1 << 20
+    storage = engine(
+        [AdapterSpec(type="gated", config=GatedConfig()), AdapterSpec(type="gated", config=GatedConfig())],
+        l1_gb=l1_bytes / (1 << 30),
+    )
+    gated_backend(storage, 1).store_gate.clear()
+    per_write = 4
+    writes = 3 * l1_bytes // (per_write * SIZE)  # three times what L1 holds
+    for prompt in range(writes):
+        keys = keys_of(100 + prompt, per_write)
+        store(storage, keys, SIZE)
+        # Stored in the first adapter (settled in L1): the clear loses nothing.
+        assert wait_for(lambda keys=keys: not any(storage.l1.get(key).unstored for key in keys))
+        storage.clear()
+    assert wait_for(lambda: storage.store.pending_batches() < writes - 1)
+    # Slices holding at most twice L1's bytes wait; the rest named objects gone from L1.
+    assert storage.store.pending_batches() <= 2 * l1_bytes // (per_write * SIZE)
+    assert storage.stats.get("l2_store_skipped_gone") >= per_write * (
+        writes - 1 - 2 * l1_bytes // (per_write * SIZE)
+    )
+    assert "l1_cleared_before_l2_store" not in storage.stats.failures()
+    gated_backend(storage, 1).store_gate.set()
+    assert storage.flush(10)
+    assert storage.store.pending_batches() == 0

@@ -114,6 +114,8 @@ class StoreController(ControllerThread):
             activity, l1.capacity_bytes, lambda: stats.failures().get("evicted_before_l2_store", 0)
         )
         self._waiting_slices = 0  # len(self._pacer), readable from any thread
+        # per adapter: waiting bytes past which its slices are looked through again
+        self._prune_at: dict[int, int] = {}
         self._step_in: float | None = None
         self._threads = threads  # the write-back threads' priority, raised while behind
         self._starved = False  # the threads were short of CPU; until no task is left
@@ -224,7 +226,38 @@ class StoreController(ControllerThread):
                     self._starting = 0
         if self._left_behind():
             return
+        self._prune_backlogs()
         self._submit_slices()
+
+    def _prune_backlogs(self) -> None:
+        """Drop the waiting slices of an adapter slower than the writes whose objects all
+        left L1.  Stored by the other adapters, such objects are evicted like any stored
+        one, while their slices for the slow adapter wait their turn behind its bound in
+        flight: as long as it stays behind, they would pile up without end (and their
+        bytes keep write-back pressed).  The objects a waiting slice still finds in L1
+        take at most L1's bytes, so an adapter's slices are looked through once they hold
+        more than twice that, and again only once L1's bytes more were added: a look costs
+        no more per slice than the slices added since the last."""
+        capacity = self.l1.capacity_bytes
+        dropped: list[Slice] = []
+        for slot in self.slots:
+            index = slot.index
+            if self._pacer.waiting_bytes_of(index) <= max(2 * capacity, self._prune_at.get(index, 0)):
+                continue
+            with self.l1.lock:
+                dropped += self._pacer.prune(index, self._still_has_an_object)
+            self._prune_at[index] = self._pacer.waiting_bytes_of(index) + capacity
+        for piece in dropped:
+            # As when ``_submit`` finds them gone; why they left was counted then.
+            self.stats.add("l2_store_skipped_gone", len(piece.keys))
+            self._part_ended(piece.batch)
+        if dropped:
+            logger.debug("dropped %d waiting store slices whose objects all left L1", len(dropped))
+
+    def _still_has_an_object(self, piece: Slice) -> bool:
+        """Whether L1 still holds one of ``piece``'s objects (L1 lock held)."""
+        get, objects = self.l1.get, piece.batch.objects
+        return any(get(key) is objects[key] for key in piece.keys)
 
     def _left_behind(self) -> bool:
         """The close went on without this step (stuck in a call that returned since) and

@@ -18,7 +18,12 @@ adapter's worker queue, so what is handed to an adapter stays small:
   an object before its L2 store (L1 is short of room: every moment an object spends only
   in L1 is a risk then);
 * nothing waits once the controller is stopping (shutdown drains at full speed) or while
-  a flush waits for L2 (``flush`` wants it done, not polite).
+  a flush waits for L2 (``flush`` wants it done, not polite);
+* what waits for one adapter is bounded: once its slices hold more than twice L1's bytes,
+  those whose objects all left L1 (stored by the other adapters and evicted since, or
+  cleared) are dropped by the store controller and counted (``l2_store_skipped_gone``) --
+  an adapter slower than the writes would otherwise gather them for as long as it stays
+  behind.
 
 Under sustained load the deadline makes write-back run alongside requests, as it did
 before pacing; bursts shorter than the deadline run with write-back out of the way.
@@ -109,6 +114,7 @@ class WriteBackPacer:
         self._waiting: dict[int, deque[Slice]] = {}
         self._inflight: dict[int, int] = {}  # adapter index -> bytes submitted, not reported
         self.waiting_bytes = 0
+        self._waiting_bytes: dict[int, int] = {}  # adapter index -> bytes of its waiting slices
         self.deferrals = 0  # times a slice was held back for client work (a gauge's source)
         self.pressed = False  # at the last take: L1 short of room (pressure or a recent loss)
 
@@ -116,8 +122,34 @@ class WriteBackPacer:
         return sum(len(queue) for queue in self._waiting.values())
 
     def add(self, piece: Slice) -> None:
-        self._waiting.setdefault(piece.slot.index, deque()).append(piece)
+        index = piece.slot.index
+        self._waiting.setdefault(index, deque()).append(piece)
         self.waiting_bytes += piece.nbytes
+        self._waiting_bytes[index] = self._waiting_bytes.get(index, 0) + piece.nbytes
+
+    def waiting_bytes_of(self, index: int) -> int:
+        """Bytes of adapter ``index``'s waiting slices."""
+        return self._waiting_bytes.get(index, 0)
+
+    def prune(self, index: int, keep: Callable[[Slice], bool]) -> list[Slice]:
+        """Remove adapter ``index``'s waiting slices that ``keep`` rejects (order kept);
+        returns them.  They were never in flight."""
+        queue = self._waiting.get(index)
+        if not queue:
+            return []
+        kept: deque[Slice] = deque()
+        dropped: list[Slice] = []
+        for piece in queue:
+            (kept if keep(piece) else dropped).append(piece)
+        self._waiting[index] = kept
+        for piece in dropped:
+            self._count_taken(piece)
+        return dropped
+
+    def _count_taken(self, piece: Slice) -> None:
+        """``piece`` waits no more."""
+        self.waiting_bytes -= piece.nbytes
+        self._waiting_bytes[piece.slot.index] -= piece.nbytes
 
     def reported(self, index: int, nbytes: int) -> None:
         """A slice ``take`` handed out is done (reported, or never became a task)."""
@@ -153,7 +185,7 @@ class WriteBackPacer:
                             wake = again if wake is None else min(wake, again)
                             break
                 queue.popleft()
-                self.waiting_bytes -= piece.nbytes
+                self._count_taken(piece)
                 inflight += piece.nbytes
                 chosen.append(piece)
             self._inflight[index] = inflight
@@ -164,4 +196,5 @@ class WriteBackPacer:
         dropped = [piece for queue in self._waiting.values() for piece in queue]
         self._waiting.clear()
         self.waiting_bytes = 0
+        self._waiting_bytes.clear()
         return dropped
