@@ -336,6 +336,35 @@ def test_trusting_the_checkpoint_after_a_crash_keeps_a_store_into_a_reused_slot(
         reopened.close()
 
 
+def test_a_clean_checkpoint_is_not_trusted_when_a_newer_one_was_passed_over(tmp_path: Path) -> None:
+    # A clean checkpoint is the device's final state only while nothing newer exists: once
+    # a later run wrote a checkpoint (its start-up one) and stores, that one being
+    # unreadable at the next start must not make the older clean one trusted unread -- a
+    # slot it lists may hold an acknowledged store of another key since.
+    cfg = config(tmp_path / "dev.img", slots=4, meta_enable_periodic=False, meta_verify_on_load=False)
+    old_keys, new_keys = make_keys(1), make_keys(1, start=10)
+    old, new = data_for(1), data_for(1, seed=1)
+    adapter = open_raw(cfg)
+    assert store(adapter, old_keys, old) == [True]
+    adapter.close()  # a clean checkpoint listing the old key in slot 0
+    adapter = open_raw(cfg)  # trusts it, and writes its start-up checkpoint (not clean)
+    backend = backend_of(adapter)
+    startup_area = backend._areas._area
+    assert adapter.delete(old_keys) == [True]  # slot 0 is free again ...
+    assert store(adapter, new_keys, new) == [True]  # ... and holds the new key, acknowledged
+    crash(adapter)
+    geometry = backend.geometry
+    flip_byte(cfg.device_path, geometry.area_offset(startup_area) + geometry.block_align + 3)
+    reopened = open_raw(cfg)
+    try:
+        assert reopened.stats()["checkpoints_unusable"] == 1
+        assert client(reopened).lookup_and_lock(old_keys + new_keys).found == [False, True]
+        reopened.unlock(new_keys)
+        assert load(reopened, new_keys, [len(new[0])]) == ([True], new)
+    finally:
+        reopened.close()
+
+
 def test_serde_records_keep_their_l1_size_and_other_chains_are_kept_as_misses(tmp_path: Path) -> None:
     cfg = config(tmp_path / "dev.img")
     keys = make_keys(2)

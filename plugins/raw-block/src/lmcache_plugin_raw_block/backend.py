@@ -178,18 +178,23 @@ class RawBlockBackend(SlotStoreBackend):
     def _verify_checkpoint(self, checkpoint: Checkpoint | None) -> bool:
         """Whether recovery reads the slot headers of the checkpoint's objects.
 
-        ``meta_verify_on_load`` false trusts a checkpoint written at shutdown only.  After a
-        crash a checkpointed slot may have been freed and rewritten with another key's
-        acknowledged store, which only its header tells: trusting the checkpoint there
-        would lose that store silently.
+        ``meta_verify_on_load`` false trusts a checkpoint written at shutdown only, and
+        only while it is the newest: a newer one passed over (damaged, unreadable) means a
+        later run wrote and stored after it.  After a crash a checkpointed slot may have
+        been freed and rewritten with another key's acknowledged store, which only its
+        header tells: trusting the checkpoint there would lose that store silently.
         """
-        if self.config.meta_verify_on_load or checkpoint is None or checkpoint.clean:
+        if self.config.meta_verify_on_load or checkpoint is None:
             return self.config.meta_verify_on_load
+        if checkpoint.clean and not self._areas.newer_passed_over:
+            return False
+        why = "a newer one could not be used" if checkpoint.clean else "it is not from a clean shutdown"
         log.info(
-            "raw_block: %s: checkpoint %d is not from a clean shutdown; checking its slot "
+            "raw_block: %s: checkpoint %d cannot be trusted unread (%s); checking its slot "
             "headers although meta_verify_on_load is false",
             self._device.path,
             checkpoint.seq,
+            why,
         )
         return True
 
