@@ -147,6 +147,43 @@ def test_the_file_behind_a_loop_device_in_use_is_refused_and_the_other_way_round
             second.close()
 
 
+def test_loop_devices_over_parts_of_one_file_run_side_by_side_and_hold_the_file() -> None:
+    """Loop devices over two parts of one file (an offset and a size limit each) are two
+    devices: each has its adapter, while an adapter naming the whole file is refused."""
+    reason = _unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    part = sized_config("x").capacity_bytes
+    directory = tempfile.mkdtemp(prefix="lmcache-raw-block-loop-")
+    backing = Path(directory) / "backing.img"
+    with open(backing, "wb") as handle:
+        handle.truncate(2 * part)
+    devices: list[str] = []
+    try:
+        for offset in (0, part):
+            command = ["losetup", "--find", "--show", "--offset", str(offset), "--sizelimit", str(part)]
+            attached = subprocess.run([*command, str(backing)], capture_output=True, text=True)
+            if attached.returncode != 0:
+                pytest.skip(f"losetup could not attach a loop device: {attached.stderr.strip()}")
+            devices.append(attached.stdout.strip())
+        keys, data = make_keys(2), [pattern(1, 3000), pattern(2, 5000)]
+        adapters = [open_raw(sized_config(device)) for device in devices]
+        try:
+            for adapter, key, payload in zip(adapters, keys, data, strict=True):
+                assert store(adapter, [key], [payload]) == [True]
+            with pytest.raises(ConfigError, match="in use by another raw_block adapter"):
+                open_raw(sized_config(backing))
+            for adapter, key, payload in zip(adapters, keys, data, strict=True):
+                assert load(adapter, [key], [len(payload)]) == ([True], [payload])
+        finally:
+            for adapter in adapters:
+                adapter.close()
+    finally:
+        for device in devices:
+            subprocess.run(["losetup", "--detach", device], check=False)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def _backing_file_of(device: str) -> str:
     listed = subprocess.run(
         ["losetup", "--noheadings", "--output", "BACK-FILE", device], capture_output=True, text=True

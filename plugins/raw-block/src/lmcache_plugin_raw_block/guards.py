@@ -43,24 +43,42 @@ def lock_device(fd: int, path: str, type_name: str) -> None:
         ) from None
 
 
-def _loop_backing_file(device_fd: int) -> str | None:
-    """The file a loop block device (or a partition of one) reads and writes, or None:
-    not a loop device, detached, or its file deleted (nothing else can open it then)."""
+def _loop_backing_file(device_fd: int) -> tuple[str, int] | None:
+    """The file a loop block device (or a partition of one) reads and writes, with the
+    ``flock`` mode an adapter on it takes there; None: not a loop device, detached, or its
+    file deleted (nothing else can open it then).
+
+    A loop device over the whole file takes it exclusively; a partition, or a loop device
+    over a part of the file (an offset or a size limit), shares it, so several of those
+    (whose parts do not overlap) can run side by side while an adapter naming the file
+    itself, which takes it whole, is refused as any of them is."""
     rdev = os.fstat(device_fd).st_rdev
     node = os.path.realpath(f"/sys/dev/block/{os.major(rdev)}:{os.minor(rdev)}")
     for directory in (node, os.path.dirname(node)):  # a partition's loop is its parent's
+        loop = os.path.join(directory, "loop")
         try:
-            with open(os.path.join(directory, "loop", "backing_file")) as handle:
+            with open(os.path.join(loop, "backing_file")) as handle:
                 backing = handle.read().rstrip("\n")
+            whole = directory == node and all(
+                _read_int(os.path.join(loop, name)) == 0 for name in ("offset", "sizelimit")
+            )
         except OSError:
             continue
-        return None if backing.endswith(" (deleted)") else backing
+        if backing.endswith(" (deleted)"):
+            return None
+        return backing, fcntl.LOCK_EX if whole else fcntl.LOCK_SH
     return None
 
 
+def _read_int(path: str) -> int:
+    with open(path) as handle:
+        return int(handle.read().strip() or 0)
+
+
 def lock_loop_backing_file(device_fd: int, path: str, type_name: str) -> int:
-    """For a loop device: ``flock(LOCK_EX)`` on the file behind it, held as long as the
-    descriptor returned stays open (-1: not a loop device, nothing held).
+    """For a loop device: ``flock`` on the file behind it (exclusive, or shared for a part
+    of it: see :func:`_loop_backing_file`), held as long as the descriptor returned stays
+    open (-1: not a loop device, nothing held).
 
     The device's own lock and exclusive open do not reach that file: an adapter (this
     server's or another's, ``raw_block`` or ``dax``) naming the file itself would
@@ -68,9 +86,10 @@ def lock_loop_backing_file(device_fd: int, path: str, type_name: str) -> int:
     one naming the loop device.  Each takes the lock on the file, so the second is
     refused whichever comes first.
     """
-    backing = _loop_backing_file(device_fd)
-    if backing is None:
+    found = _loop_backing_file(device_fd)
+    if found is None:
         return -1
+    backing, mode = found
     try:
         fd = os.open(backing, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
@@ -86,7 +105,7 @@ def lock_loop_backing_file(device_fd: int, path: str, type_name: str) -> int:
         )
         return -1
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         raise ConfigError(f"{type_name}: {_backing_in_use(path, backing)}") from None
@@ -110,18 +129,19 @@ def probe_loop_backing_file(path: str, field: str, type_name: str) -> None:
     except OSError:  # the open says what it says
         return
     try:
-        backing = _loop_backing_file(device_fd)
+        found = _loop_backing_file(device_fd)
     finally:
         os.close(device_fd)
-    if backing is None:
+    if found is None:
         return
+    backing, mode = found
     try:
         fd = os.open(backing, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
         except BlockingIOError:
             raise FieldError(field, _backing_in_use(path, backing)) from None
         except OSError:
