@@ -85,3 +85,23 @@ def test_slices_for_a_slow_adapter_whose_objects_left_l1_do_not_pile_up(engine, 
     gated_backend(storage, 1).store_gate.set()
     assert storage.flush(10)
     assert storage.store.pending_batches() == 0
+
+
+def test_stores_that_cannot_be_submitted_are_logged_once_per_burst(engine, monkeypatch, caplog) -> None:
+    # An adapter refusing every submit fails each slice: every one is counted, and the
+    # log says so in one line per burst, not one line per slice.
+    storage = engine([AdapterSpec(type="gated", config=GatedConfig())])
+
+    def refuse(*args: object, **kwargs: object) -> int:
+        raise ConnectionError("the adapter is down")
+
+    monkeypatch.setattr(storage.adapters[0], "submit_store", refuse)
+    writes = 5
+    with caplog.at_level("WARNING", logger="lmcache_tiers.controllers.store"):
+        for prompt in range(writes):
+            store(storage, keys_of(200 + prompt, 1), SIZE)
+        assert storage.flush(10)
+    assert storage.stats.failures().get("l2_store_submit_error") == writes
+    lines = [record for record in caplog.records if "could not be submitted" in record.getMessage()]
+    assert len(lines) == 1
+    assert "the adapter is down" in lines[0].getMessage()

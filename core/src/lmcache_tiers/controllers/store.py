@@ -414,7 +414,14 @@ class StoreController(ControllerThread):
             self.stats.add_adapter(slot.index, "store_tasks_failed")
             self.stats.add_adapter(slot.index, "keys_store_failed", len(keys))
             self.stats.fail("l2_store_submit_error", len(keys))  # keys, as l2_store_failed
-            logger.warning("store of %d keys to %s could not be submitted: %s", len(keys), slot.name, exc)
+            # An adapter refusing submits refuses every slice: one line per burst, each counted.
+            self._burst.warn(
+                f"l2_store_submit_error:{slot.index}",
+                "store of %d keys to %s could not be submitted: %s",
+                len(keys),
+                slot.name,
+                exc,
+            )
             self._slice_ended(piece)
             return False
         task = _Task(slot, task_id, keys, objects, batch, piece.nbytes, time.monotonic())
