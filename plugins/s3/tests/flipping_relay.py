@@ -24,6 +24,8 @@ class FlippingRelay:
         self._sockets: list[socket.socket] = []
         #: bytes from the server still to pass untouched before the one flipped; None: off
         self._flip_after: int | None = None
+        #: what the server must send first, the bytes above counted from its start
+        self._marker: bytes | None = None
         #: bytes flipped so far (a test checks it did its part)
         self.flipped = 0
         threading.Thread(target=self._accept, name="flipping-relay", daemon=True).start()
@@ -32,10 +34,12 @@ class FlippingRelay:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def flip_once(self, after: int) -> None:
-        """Flip the byte the server sends ``after`` bytes from now (on any connection)."""
+    def flip_once(self, after: int, marker: bytes | None = None) -> None:
+        """Flip the byte the server sends ``after`` bytes from now -- or from the start of
+        the first ``marker`` it sends -- on any connection."""
         with self._lock:
             self._flip_after = after
+            self._marker = marker
 
     def close(self) -> None:
         self._listener.close()
@@ -84,6 +88,12 @@ class FlippingRelay:
             after = self._flip_after
             if after is None:
                 return chunk
+            if self._marker is not None:
+                found = chunk.find(self._marker)
+                if found < 0:
+                    return chunk
+                self._marker = None
+                after += found
             if after >= len(chunk):
                 self._flip_after = after - len(chunk)
                 return chunk

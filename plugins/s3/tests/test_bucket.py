@@ -13,13 +13,14 @@ from pathlib import Path
 
 import lmcache_plugin_s3.backend as backend_module
 import pytest
+from flipping_relay import FlippingRelay
 from lmcache_plugin_s3 import S3Config
 from s3_helpers import BUCKET, Raw, blocking, fresh_prefix, open_adapter, s3_config
 
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter, L2Adapter
-from lmcache_tiers.l2.record import encode_header
+from lmcache_tiers.l2.record import RECORD_MAGIC, encode_header
 from lmcache_tiers.testing.l2 import make_keys, pattern
 from lmcache_tiers.testing.seaweedfs import SeaweedS3, free_port
 from lmcache_tiers.testing.threads import DEADLINE_S, joined
@@ -197,6 +198,28 @@ def test_the_listing_removes_a_damaged_digest_named_record_as_damage(
     assert stats.get("corrupt_records_removed", 0) == 1
     assert stats.get("listing_foreign_objects", 0) == 0
     assert not raw.exists(key), "a damaged record no lookup can reach was left in the bucket"
+
+
+def test_a_listing_reading_damage_a_second_read_does_not_find_keeps_the_record(
+    seaweed: SeaweedS3, l1: memoryview, opened: list[L2Adapter]
+) -> None:
+    """The listing reads a digest-named record's header to learn its key: a byte flipped on
+    the way (a faulty link or middlebox) is no damage of the object, an acknowledged write
+    a second read of it finds intact."""
+    prefix = fresh_prefix("digest-flipped")
+    raw = Raw(seaweed, prefix)
+    key, record = _digest_record(raw, 8)
+    raw.write(key, record)
+    with FlippingRelay(seaweed.endpoint) as relay:
+        relay.flip_once(after=100, marker=RECORD_MAGIC)  # inside the header
+        adapter = open_adapter(s3_config(seaweed, prefix, endpoint_url=relay.endpoint), l1)
+        opened.append(adapter)
+        wait_scanned(adapter)
+        assert relay.flipped == 1, "no byte was flipped: the test tested nothing"
+    stats = adapter.stats()
+    assert stats["damage_not_repeated"] == 1 and stats.get("corrupt_records_removed", 0) == 0
+    assert list(adapter.iter_keys()) == [key], "the record was not listed"
+    assert raw.exists(key) and raw.read(key) == record, "an intact object was removed"
 
 
 def test_a_failed_header_read_of_the_listing_is_a_read_error_and_keeps_the_object(

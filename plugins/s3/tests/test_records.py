@@ -16,7 +16,7 @@ from s3_helpers import Raw, blocking, fresh_prefix, open_adapter, s3_config
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import L2Adapter
-from lmcache_tiers.l2.record import encode_header
+from lmcache_tiers.l2.record import RECORD_MAGIC, encode_header
 from lmcache_tiers.testing.l2 import make_keys, pattern
 from lmcache_tiers.testing.seaweedfs import SeaweedS3
 
@@ -130,7 +130,62 @@ def test_damage_a_second_read_does_not_find_is_no_reason_to_remove_the_object(
         assert bytes(buffer) == data[0] and canaries_intact(region, SIZE)
         assert raw.exists(key), "an intact object was removed for damage done on the way"
         stats = adapter.stats()
-        assert stats["load_damage_not_repeated"] == 1 and stats.get("corrupt_records_removed", 0) == 0
+        assert stats["damage_not_repeated"] == 1 and stats.get("corrupt_records_removed", 0) == 0
+
+
+def test_a_lookup_reading_damage_a_second_read_does_not_find_keeps_the_object(
+    seaweed: SeaweedS3, prefix: str, raw: Raw, l1: memoryview, opened: list[L2Adapter]
+) -> None:
+    # A record without a header copy (an older writer's) is looked up by its own header:
+    # a byte flipped on the way there is no damage of the object either.
+    (key,) = make_keys(1)
+    payload = pattern(3, SIZE)
+    record = encode_header(key, payload, align=HEADER_BYTES) + payload
+    raw.write(key, record)  # no metadata: no copy
+    with FlippingRelay(seaweed.endpoint) as relay:
+        adapter = open_adapter(s3_config(seaweed, prefix, endpoint_url=relay.endpoint), l1)
+        opened.append(adapter)
+        relay.flip_once(after=100, marker=RECORD_MAGIC)  # inside the header
+        result = blocking(adapter).lookup_and_lock([key])
+        assert relay.flipped == 1, "no byte was flipped: the test tested nothing"
+        assert result.found == [True] and result.sizes == [SIZE]
+        buffer, _region = fenced(l1, SIZE)
+        assert blocking(adapter).load([key], [buffer]) == [True] and bytes(buffer) == payload
+        adapter.unlock([key])
+    assert raw.exists(key) and raw.read(key) == record, "an intact object was removed"
+    stats = adapter.stats()
+    assert stats["damage_not_repeated"] == 1 and stats.get("corrupt_records_removed", 0) == 0
+
+
+def test_a_lookup_whose_damaged_object_is_replaced_before_its_second_read_fails(
+    adapter: L2Adapter, raw: Raw, l1: memoryview, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Neither absent (core would release the new object's bytes) nor damage: a failure.
+    (key,) = make_keys(1)
+    payload = pattern(3, SIZE)
+    good = encode_header(key, payload, align=HEADER_BYTES) + payload
+    damaged = bytearray(good)
+    damaged[100] ^= 0xFF  # inside the header: its crc fails
+    raw.write(key, bytes(damaged))  # no metadata: the lookup reads the record's header
+    backend = adapter.backend.inner  # type: ignore[attr-defined]  # behind core's circuit breaker
+    assert isinstance(backend, S3Backend)
+    request = backend.client.request
+
+    async def another_server_stores_first(method: str, **kwargs: object) -> object:
+        if method == "get_object" and "IfMatch" in kwargs:
+            raw.write(key, good)  # the good record, between the two reads
+        return await request(method, **kwargs)
+
+    monkeypatch.setattr(backend.client, "request", another_server_stores_first)
+    assert blocking(adapter).lookup_and_lock([key]).found == [False]
+    assert raw.exists(key) and raw.read(key) == good, "the record stored since was removed"
+    stats = adapter.stats()
+    assert stats["replaced_before_reread"] == 1 and stats["backend_errors"] == 1
+    assert stats.get("corrupt_records_removed", 0) == 0
+    monkeypatch.undo()
+    result = blocking(adapter).lookup_and_lock([key])
+    assert result.found == [True]
+    adapter.unlock([key])
 
 
 def test_a_damaged_record_replaced_before_its_second_read_is_kept(
@@ -158,7 +213,7 @@ def test_a_damaged_record_replaced_before_its_second_read_is_kept(
     adapter.unlock([key])
     assert raw.exists(key) and raw.read(key) == good, "the record stored since was removed"
     stats = adapter.stats()
-    assert stats["load_replaced_before_reread"] == 1 and stats.get("corrupt_records_removed", 0) == 0
+    assert stats["replaced_before_reread"] == 1 and stats.get("corrupt_records_removed", 0) == 0
     monkeypatch.undo()
     result = blocking(adapter).lookup_and_lock([key])
     assert blocking(adapter).load([key], [buffer]) == [True] and bytes(buffer) == data[0]

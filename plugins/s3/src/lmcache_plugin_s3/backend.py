@@ -79,6 +79,10 @@ class _Damaged(Exception):
     """The object under a key's name is not a readable record of it: remove it."""
 
 
+class _Replaced(Exception):
+    """The object a read found damaged was replaced before it was read again."""
+
+
 def _check_size(total: int, header: RecordHeader) -> None:
     """A record is exactly its header and payload: a longer or shorter object is damaged."""
     expected = header.header_len + header.payload_len
@@ -416,9 +420,10 @@ class S3Backend:
         )
 
     async def _lookup_in_record(self, key: ObjectKey, name: str, head_etag: str | None) -> ObjectSize | None:
-        """A lookup by the record's own header (one ranged GET).  ``head_etag``: the ETag
-        the lookup's HEAD saw, what an empty object's removal is conditional on (the
-        refused ranged GET of an empty object names none)."""
+        """A lookup by the record's own header (one ranged GET; a second one, of the same
+        object, when the first finds damage).  ``head_etag``: the ETag the lookup's HEAD
+        saw, what an empty object's removal is conditional on (the refused ranged GET of
+        an empty object names none)."""
         try:
             data, total, etag = await self.client.bounded(lambda: self._first_bytes(name))
         except Exception as exc:
@@ -429,15 +434,78 @@ class S3Backend:
                 await self._remove_damaged(name, "the object is empty", head_etag)
                 return None
             raise
+        etag = etag or head_etag
         try:
-            header = self._header(key, data)
-            if header is None:
-                return None
-            _check_size(total, header)
+            return self._size_in_record(key, data, total)
         except _Damaged as exc:
-            await self._remove_damaged(name, str(exc), etag or head_etag)
+            first_damage = str(exc)
+        try:
+            data, total = await self._read_slot_again(name, etag)
+        except _Replaced as exc:
+            self._replaced_before_reread("lookup", name, first_damage)
+            # Neither absent (core would release what the new object holds) nor judged:
+            # the lookup fails, a miss for now.
+            raise S3RequestError(
+                f"lookup of {key.file_stem()}: the object was replaced while it was read"
+            ) from exc
+        except Exception as exc:
+            if is_missing_object(exc):
+                return None
+            raise
+        try:
+            size = self._size_in_record(key, data, total)
+        except _Damaged as exc:
+            await self._remove_damaged(name, str(exc), etag)
             return None
+        self._damage_not_repeated("lookup", name, first_damage)
+        return size
+
+    def _size_in_record(self, key: ObjectKey, slot: bytes, total: int) -> ObjectSize | None:
+        """What a record's own header slot says of ``key``: its size, or None for a miss
+        that is kept; :class:`_Damaged` for the rest."""
+        header = self._header(key, slot)
+        if header is None:
+            return None
+        _check_size(total, header)
         return ObjectSize(header.payload_len, header.l1_size)
+
+    async def _read_slot_again(self, name: str, etag: str | None) -> tuple[bytes, int]:
+        """The header slot of ``name`` and the object's size, read again after a read of
+        it found damage, only while it is the object read as ``etag``: a read can be
+        damaged on the way (a faulty link or middlebox, which plain HTTP has only TCP's
+        checksum against) while the object in the store is intact, and only damage found
+        again has an object removed.  :class:`_Replaced` when it was replaced since."""
+        try:
+            data, total, _etag = await self.client.bounded(lambda: self._first_bytes(name, if_match=etag))
+        except Exception as exc:
+            if error_code(exc) == "PreconditionFailed":
+                raise _Replaced from exc
+            raise
+        return data, total
+
+    def _damage_not_repeated(self, op: str, name: str, damage: str) -> None:
+        self.context.count("damage_not_repeated")
+        self.context.warn(
+            "damage_not_repeated",
+            "a %s's read of s3://%s/%s found damage (%s) that a second read of the same object "
+            "did not: damaged on the way, not in the store; the second read is used, the object kept",
+            op,
+            self.config.bucket,
+            name,
+            damage,
+        )
+
+    def _replaced_before_reread(self, op: str, name: str, damage: str) -> None:
+        self.context.count("replaced_before_reread")
+        self.context.warn(
+            "replaced_before_reread",
+            "a %s's read of s3://%s/%s found damage (%s), and the object was replaced before it "
+            "was read again; the new object is kept",
+            op,
+            self.config.bucket,
+            name,
+            damage,
+        )
 
     async def _load(self, key: ObjectKey, buffer: memoryview) -> bool:
         """Read ``key``'s record into ``buffer``.  Damage is judged by a second read of the
@@ -445,7 +513,7 @@ class S3Backend:
         read can be damaged on the way -- a faulty link or middlebox, which plain HTTP has
         only TCP's checksum against -- while the object in the store is an intact,
         acknowledged write.  A second read that finds it intact loads it (counted
-        ``load_damage_not_repeated``); one that finds it damaged again has it removed."""
+        ``damage_not_repeated``); one that finds it damaged again has it removed."""
         name = self.names.of(key)
         #: the ETag of the object read: a damaged one is removed only if it is still that one
         read: dict[str, str | None] = {}
@@ -461,26 +529,11 @@ class S3Backend:
         except Exception as exc:
             if error_code(exc) != "PreconditionFailed":
                 raise
-            # Replaced since the first read: the object judged is gone, and a miss is safe;
-            # the new one is judged by the next load.
-            self.context.count("load_replaced_before_reread")
-            self.context.warn(
-                "replaced_before_reread",
-                "a load of %s found damage (%s), and the object was replaced before it was read "
-                "again; a miss, the new object is kept",
-                key.file_stem(),
-                first_damage,
-            )
+            # The object judged is gone and a miss is safe; the new one is judged when read.
+            self._replaced_before_reread("load", name, first_damage)
             return False
         if loaded:
-            self.context.count("load_damage_not_repeated")
-            self.context.warn(
-                "damage_not_repeated",
-                "a read of %s found damage (%s) that a second read of the same object did not: "
-                "damaged on the way, not in the store; loaded from the second read, kept",
-                key.file_stem(),
-                first_damage,
-            )
+            self._damage_not_repeated("load", name, first_damage)
         return loaded
 
     async def _read_into(
@@ -619,46 +672,75 @@ class S3Backend:
         """The key of a digest-named object, from its header (checked against the name),
         judged as the file stores' listings judge one: no lookup can reach a record whose
         header does not tell its key, so a damaged one is removed (if it is still the
-        object read) and counted as damage, and so is one whose header names a key whose
-        object has another name; a newer format's is kept; a failed read says nothing
-        about the object, which stays (``listing_read_errors``)."""
+        object read, and a second read of it finds the damage too) and counted as damage,
+        and so is one whose header names a key whose object has another name; a newer
+        format's is kept; a failed read says nothing about the object, which stays
+        (``listing_read_errors``)."""
         try:
             data, _total, etag = await self.client.bounded(lambda: self._first_bytes(name))
         except Exception as exc:
-            if self.client.closing:
-                # Refused by the close, not a read error: the listing ends failed, never
-                # taken for the whole prefix with the rest of the page left out.
-                raise
-            if not is_missing_object(exc):  # else removed since the page was listed
-                self.context.count("listing_read_errors")
-                self.context.warn(
-                    "listing_read",
-                    "cannot read the header of listed %s: %s; not listed, kept (a read error is not damage)",
-                    name,
-                    describe(exc),
-                )
+            return self._unreadable_listed(name, exc)
+        try:
+            return self._key_in_slot(name, data)
+        except _Damaged as exc:
+            first_damage = str(exc)
+        try:
+            data, _total = await self._read_slot_again(name, etag)
+        except _Replaced:
+            # Not listed: the new object is accounted when a lookup finds it.
+            self._replaced_before_reread("listing", name, first_damage)
             return _Unlisted.JUDGED
+        except Exception as exc:
+            return self._unreadable_listed(name, exc)
+        try:
+            key = self._key_in_slot(name, data)
+        except _Damaged as exc:
+            await self._remove_damaged(name, str(exc), etag)
+            return _Unlisted.JUDGED
+        self._damage_not_repeated("listing", name, first_damage)
+        return key
+
+    def _key_in_slot(self, name: str, data: bytes) -> ObjectKey | _Unlisted:
+        """The key the header slot of the digest-named object ``name`` tells; JUDGED for a
+        record kept (counted); :class:`_Damaged` for one to remove."""
         try:
             key = record_key(data)
         except RecordError as exc:
-            if not keeps_unlisted(self.name, name, exc, self.context.count):
-                await self._remove_damaged(name, str(exc), etag)
-            return _Unlisted.JUDGED
+            if keeps_unlisted(self.name, name, exc, self.context.count):
+                return _Unlisted.JUDGED
+            raise _Damaged(str(exc)) from exc
         if self.names.of(key) != name:
             # An intact header naming a key whose object has another name: no writer puts
             # a record here, and a lookup of this name's key keeps it as another key's --
             # so nothing would ever remove it (as the file stores' listings rule).
-            await self._remove_damaged(
-                name, f"its header names {key.file_stem()}, whose object is {self.names.of(key)}", etag
-            )
-            return _Unlisted.JUDGED
+            raise _Damaged(f"its header names {key.file_stem()}, whose object is {self.names.of(key)}")
         return key
+
+    def _unreadable_listed(self, name: str, exc: Exception) -> _Unlisted:
+        """A listed object whose header could not be read: not listed, kept."""
+        if self.client.closing:
+            # Refused by the close, not a read error: the listing ends failed, never
+            # taken for the whole prefix with the rest of the page left out.
+            raise exc
+        if not is_missing_object(exc):  # else removed since the page was listed
+            self.context.count("listing_read_errors")
+            self.context.warn(
+                "listing_read",
+                "cannot read the header of listed %s: %s; not listed, kept (a read error is not damage)",
+                name,
+                describe(exc),
+            )
+        return _Unlisted.JUDGED
 
     # -- helpers ---------------------------------------------------------------------------
 
-    async def _first_bytes(self, name: str) -> tuple[bytes, int, str | None]:
-        """The header slot of an object, the object's whole size and its ETag (one ranged GET)."""
-        answer = await self.client.request("get_object", Key=name, Range=f"bytes=0-{HEADER_BYTES - 1}")
+    async def _first_bytes(self, name: str, if_match: str | None = None) -> tuple[bytes, int, str | None]:
+        """The header slot of an object, the object's whole size and its ETag (one ranged
+        GET; only of the object read as ``if_match`` when given)."""
+        condition = {"IfMatch": if_match} if if_match else {}
+        answer = await self.client.request(
+            "get_object", Key=name, Range=f"bytes=0-{HEADER_BYTES - 1}", **condition
+        )
         body = answer["Body"]
         # A store that ignored the range sends the whole object: read the slot only.
         slot = min(HEADER_BYTES, int(answer["ContentLength"]))
