@@ -79,7 +79,7 @@ class PrefetchController(ControllerThread):
         self.max_in_flight = max_in_flight
         self._locks = PrefetchLocks(l1, self.slots, stats, evict=evict, align=align)
         self._handles = PrefetchHandles(self._locks.release_read, stats, result_ttl_s=result_ttl_s)
-        self._burst = BurstLog(logger)  # a policy's bad plans: one line per minute
+        self._burst = BurstLog(logger)  # bad plans and failing adapter calls: one line a minute each
         self._policy_log = PolicyFailureLog(logger, "prefetch_policy_error")
         self._timed_out = BurstLog(logger, "prefetch_timed_out")
         self._failed_loads = BurstLog(logger, "l2_load_failed")
@@ -175,7 +175,7 @@ class PrefetchController(ControllerThread):
                 result = slot.adapter.lookup_and_lock_now(request.remaining)
             except Exception as exc:
                 self.stats.fail("l2_lookup_now_error")
-                logger.warning("lookup on %s could not be answered at once: %s", slot.name, exc)
+                self._adapter_failed("l2_lookup_now_error", slot, "lookup could not be answered at once", exc)
                 continue
             if result is None:
                 continue
@@ -278,7 +278,7 @@ class PrefetchController(ControllerThread):
                 task_id = slot.adapter.submit_lookup_and_lock(request.remaining)
             except Exception as exc:
                 self.stats.fail("l2_lookup_submit_error")
-                logger.warning("lookup on %s could not be submitted: %s", slot.name, exc)
+                self._adapter_failed("l2_lookup_submit_error", slot, "lookup could not be submitted", exc)
                 continue
             request.lookups[slot.index] = task_id
             self._lookups.track(slot, task_id, request)
@@ -440,12 +440,28 @@ class PrefetchController(ControllerThread):
             task_id = slot.adapter.submit_load(keys, [loan.buffer for loan in loans])
         except Exception as exc:
             self.stats.fail("l2_load_submit_error")
-            logger.warning("load of %d keys from %s could not be submitted: %s", len(keys), slot.name, exc)
+            self._adapter_failed(
+                "l2_load_submit_error", slot, f"load of {len(keys)} keys could not be submitted", exc
+            )
             self._locks.unpin(request, slot.index, keys)
             return
         request.loads[slot.index] = task_id
         self._loads.track(slot, task_id, PrefetchLoad(request, keys, objects, loans))
         self.stats.add_adapter(slot.index, "load_tasks_submitted")
+
+    def _adapter_failed(self, reason: str, slot: AdapterSlot, what: str, exc: Exception) -> None:
+        """Log an adapter call that raised (counted under ``reason`` by the caller): one
+        line per burst per adapter -- an adapter that raises does so for every request --
+        and the exception as its text, whose traceback would hold the request's L1 views."""
+        self._burst.warn(
+            f"{reason}:{slot.index}",
+            "%s: %s (failure reason %s): %s: %s",
+            slot.name,
+            what,
+            reason,
+            type(exc).__name__,
+            exc,
+        )
 
     def _reap_loads(self, slot: AdapterSlot) -> None:
         for load, results in self._loads.reap(slot):

@@ -44,6 +44,7 @@ class PrefetchLocks:
         self._lost_log = BurstLog(logger, "prefetch_loaded_object_lost")
         self._full_log = BurstLog(logger, "prefetch_l1_full")
         self._busy_log = BurstLog(logger, "prefetch_key_being_written")
+        self._unlock_log = BurstLog(logger, "l2_unlock_error")
 
     # -- L1 read locks -------------------------------------------------------------------
 
@@ -171,7 +172,15 @@ class PrefetchLocks:
             slot.adapter.unlock(keys)
         except Exception as exc:
             self.stats.fail("l2_unlock_error")
-            logger.warning("unlock of %d keys on %s failed: %s", len(keys), slot.name, exc)
+            # Every request's unlock fails alike: one line per burst per adapter.
+            self._unlock_log.warn(
+                slot.name,
+                "unlock of %d keys on %s failed (failure reason l2_unlock_error): %s: %s",
+                len(keys),
+                slot.name,
+                type(exc).__name__,
+                exc,
+            )
 
     def drop_leading_answers(self, request: PrefetchRequest, count: int) -> None:
         """The first ``count`` keys of ``request.remaining`` turned out READY in L1 after
