@@ -7,14 +7,18 @@ transfer context does, so the front end is exercised without LMCache installed.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import mmap
 import os
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import pytest
 import zmq
 from lmcache_plugin_lmcache_mp.wire import OPERATION_IDS
 
@@ -26,6 +30,8 @@ _NO_REPLY = object()
 PREFETCH_POLL_S = 0.05
 #: how long a lookup's prefetch may take before a test fails (L2 loads on a busy machine)
 LOOKUP_TIMEOUT_S = 30.0
+#: how long a stalled copy waits for the test at most (the tests never rely on it)
+STALL_LIMIT_S = 60.0
 
 
 def mp_address(server: Any) -> str:
@@ -230,3 +236,34 @@ def chunk_payloads(sequence: int, count: int, size: int) -> list[bytes]:
         + bytes(size % 251)
         for index in range(count)
     ]
+
+
+@contextlib.contextmanager
+def stalled_fills(storage: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Inside: every copy into ``storage``'s L1 (a pickled store's) waits until the event
+    yielded is set -- a store slower than the drain -- which leaving the block does at the
+    latest (the copies never wait longer than ``STALL_LIMIT_S``)."""
+    lend = storage.lend
+    go_on = threading.Event()
+
+    def stalled(obj: Any, *, fill: bool = False) -> Any:
+        if fill:
+            go_on.wait(STALL_LIMIT_S)
+        return lend(obj, fill=fill)
+
+    monkeypatch.setattr(storage, "lend", stalled)
+    try:
+        yield go_on
+    finally:
+        go_on.set()
+
+
+def send_stalled_store(client: MPClient, storage: Any, sequence: int, name: str) -> None:
+    """Send a pickled commit_store of four chunks (not waiting for its reply), inside
+    :func:`stalled_fills`, and return once its copy has its four reservations: it holds
+    the pool's one thread from then on."""
+    registration = Registration()
+    key = Key(tokens_of(sequence), name, worker_id=0)
+    chunks = pickled_chunks(chunk_payloads(sequence, 4, registration.object_bytes))
+    client.send("commit_store", key.encode(), registration.instance_id, chunks)
+    wait_for(lambda: storage.status()["l1"]["write_locked"] == 4, f"the store {name} never began its copy")

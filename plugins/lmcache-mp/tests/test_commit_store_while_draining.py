@@ -5,7 +5,6 @@ then is; its chunks are never stored, so its keys are counted as refused
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 import pytest
@@ -16,40 +15,33 @@ from mpclient import (
     chunk_payloads,
     mp_address,
     pickled_chunks,
+    send_stalled_store,
+    stalled_fills,
     tokens_of,
     wait_for,
 )
 
 REG = Registration()
 CHUNK = REG.object_bytes
-#: how long the stalled copy waits for the test at most (the test never relies on it)
-STALL_LIMIT_S = 60.0
+#: how long the drain may last at most: until the test lets the stalled copy go on
+DRAIN_LIMIT_S = 60.0
 
 
 def test_a_pickled_commit_store_arriving_during_the_drain_counts_its_keys_and_names_its_request(
     make_mp_server: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # One store stalls in its copy, so the drain lasts until the test lets it go on.
-    server = make_mp_server(shm=False, allow_pickle=True, workers=1, shutdown_timeout_s=STALL_LIMIT_S)
+    server = make_mp_server(shm=False, allow_pickle=True, workers=1, shutdown_timeout_s=DRAIN_LIMIT_S)
     storage, frontend = server.storage, server.frontends[0]
     router, stats = frontend.loop.router, frontend.stats()
-    lend = storage.lend
-    go_on = threading.Event()
-
-    def stalled(obj: Any, *, fill: bool = False) -> Any:
-        if fill:
-            go_on.wait(STALL_LIMIT_S)
-        return lend(obj, fill=fill)
-
-    monkeypatch.setattr(storage, "lend", stalled)
     try:
-        with MPClient(mp_address(server)) as client, caplog.at_level(logging.WARNING):
+        with (
+            stalled_fills(storage, monkeypatch),
+            MPClient(mp_address(server)) as client,
+            caplog.at_level(logging.WARNING),
+        ):
             client.register(REG)
-            first = Key(tokens_of(30), "in-flight", worker_id=0)
-            client.send(
-                "commit_store", first.encode(), REG.instance_id, pickled_chunks(chunk_payloads(30, 4, CHUNK))
-            )
-            wait_for(lambda: storage.status()["l1"]["write_locked"] == 4, "the first store copying")
+            send_stalled_store(client, storage, 30, "in-flight")
             frontend.stop()
             wait_for(lambda: router.draining, "the front end never began to drain")
             late = Key(tokens_of(31), "late-store", worker_id=0)
@@ -60,7 +52,6 @@ def test_a_pickled_commit_store_arriving_during_the_drain_counts_its_keys_and_na
             lines = [r.getMessage() for r in caplog.records if "late-store" in r.getMessage()]
             assert lines and "commit_store" in lines[0] and "mp_shutting_down" in lines[0]
     finally:
-        go_on.set()
-        assert frontend.join(30)
+        assert frontend.join(30)  # the stalled copy went on as the block ended
     assert stats.store_chunks == 4  # the first store, finished within the drain
     assert stats.store_keys_refused["shutting_down"] == 4

@@ -5,7 +5,6 @@ not answered (``mp_shutting_down``), as a pickled store the stop gives up on is.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
@@ -16,14 +15,14 @@ from mpclient import (
     chunk_payloads,
     mp_address,
     pickled_chunks,
+    send_stalled_store,
+    stalled_fills,
     tokens_of,
     wait_for,
 )
 
 REG = Registration()
 CHUNK = REG.object_bytes
-#: how long the stalled copy waits for the test at most (the test never relies on it)
-STALL_LIMIT_S = 60.0
 
 
 def test_a_queued_pickled_retrieve_the_stop_drops_gives_back_its_locks_and_is_counted(
@@ -32,26 +31,13 @@ def test_a_queued_pickled_retrieve_the_stop_drops_gives_back_its_locks_and_is_co
     server = make_mp_server(shm=False, allow_pickle=True, workers=1, shutdown_timeout_s=0.2)
     storage, frontend = server.storage, server.frontends[0]
     router, stats = frontend.loop.router, frontend.stats()
-    lend = storage.lend
-    go_on = threading.Event()
-
-    def stalled(obj: Any, *, fill: bool = False) -> Any:
-        if fill:
-            go_on.wait(STALL_LIMIT_S)  # a store copying for longer than the drain lasts
-        return lend(obj, fill=fill)
-
-    try:
-        with MPClient(mp_address(server)) as client:
-            client.register(REG)
-            stored = Key(tokens_of(40), "stored", worker_id=0)
-            chunks = pickled_chunks(chunk_payloads(40, 4, CHUNK))
-            assert client.call("commit_store", stored.encode(), REG.instance_id, chunks) is True
-            monkeypatch.setattr(storage, "lend", stalled)
-            slow = Key(tokens_of(41), "slow-store", worker_id=0)
-            client.send(
-                "commit_store", slow.encode(), REG.instance_id, pickled_chunks(chunk_payloads(41, 4, CHUNK))
-            )
-            wait_for(lambda: storage.status()["l1"]["write_locked"] == 4, "the slow store copying")
+    with MPClient(mp_address(server)) as client:
+        client.register(REG)
+        stored = Key(tokens_of(40), "stored", worker_id=0)
+        chunks = pickled_chunks(chunk_payloads(40, 4, CHUNK))
+        assert client.call("commit_store", stored.encode(), REG.instance_id, chunks) is True
+        with stalled_fills(storage, monkeypatch):
+            send_stalled_store(client, storage, 41, "slow-store")
             # queued behind the stalled store, holding the read locks of its four chunks
             client.send(
                 "prepare_retrieve", Key(tokens_of(40), "queued", worker_id=0).encode(), REG.instance_id
@@ -60,7 +46,5 @@ def test_a_queued_pickled_retrieve_the_stop_drops_gives_back_its_locks_and_is_co
             assert storage.status()["l1"]["read_locks"] == 4
             frontend.stop()
             assert frontend.join(30)
-    finally:
-        go_on.set()
     assert storage.status()["l1"]["read_locks"] == 0
     assert stats.failures["mp_shutting_down"] == 2  # the store and the retrieve

@@ -9,12 +9,14 @@ from typing import Any
 
 import pytest
 from mpclient import (
+    STALL_LIMIT_S,
     Key,
     MPClient,
     Registration,
     chunk_payloads,
     mp_address,
     pickled_chunks,
+    stalled_fills,
     tokens_of,
     wait_for,
 )
@@ -23,8 +25,6 @@ from lmcache_tiers.server.app import TiersServer
 
 REG = Registration()
 CHUNK = REG.object_bytes
-#: how long a stalled copy waits for the test at most (the test never relies on it)
-STALL_LIMIT_S = 60.0
 
 
 def _accounted(server: TiersServer) -> int:
@@ -49,16 +49,7 @@ def test_pickled_stores_the_drain_gives_up_on_count_their_keys_once(
     # One pool thread: the first store stalls in its copy, the second waits in the queue.
     server = make_mp_server(shm=False, allow_pickle=True, workers=1, shutdown_timeout_s=0.2)
     storage, frontend = server.storage, server.frontends[0]
-    lend = storage.lend
-    go_on = threading.Event()
-
-    def stalled(obj: Any, *, fill: bool = False) -> Any:
-        if fill:
-            go_on.wait(STALL_LIMIT_S)  # a copy slower than the drain
-        return lend(obj, fill=fill)
-
-    monkeypatch.setattr(storage, "lend", stalled)
-    with MPClient(mp_address(server)) as client:
+    with stalled_fills(storage, monkeypatch) as go_on, MPClient(mp_address(server)) as client:
         client.register(REG)
         _send_pickled_store(client, 20)
         _send_pickled_store(client, 21)
@@ -68,12 +59,12 @@ def test_pickled_stores_the_drain_gives_up_on_count_their_keys_once(
         )
         frontend.stop()
         assert frontend.join(30)
-    stats = frontend.stats()
-    assert stats.store_keys_refused["shutting_down"] == 8
-    assert _accounted(server) == 8
-    # The copy the drain gave up on finishes now: its reservations are given back, not
-    # made visible (its keys were counted as refused), and nothing is counted again.
-    go_on.set()
+        stats = frontend.stats()
+        assert stats.store_keys_refused["shutting_down"] == 8
+        assert _accounted(server) == 8
+        # The copy the drain gave up on finishes now: its reservations are given back, not
+        # made visible (its keys were counted as refused), and nothing is counted again.
+        go_on.set()
     wait_for(
         lambda: storage.status()["l1"]["write_locked"] == 0, "the late copy never gave its reservations back"
     )
