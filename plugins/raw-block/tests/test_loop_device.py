@@ -259,3 +259,41 @@ def test_a_superseded_record_of_another_chain_does_not_hide_the_newer_write() ->
     with loop_device() as device:
         cfg = RawBlockConfig(device_path=device, slot_bytes=64 << 10)
         check_a_superseded_record_of_another_chain_does_not_hide_the_newer_write(cfg)
+
+
+def test_loop_devices_over_overlapping_parts_of_one_file_are_refused_to_a_second_adapter() -> None:
+    """Two loop devices over parts of one file that share bytes would each take those
+    bytes for slots of their own: the second adapter is refused (by the pre-flight too),
+    and runs once the first closed."""
+    reason = _unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    part = sized_config("x").capacity_bytes
+    directory = tempfile.mkdtemp(prefix="lmcache-raw-block-loop-")
+    backing = Path(directory) / "backing.img"
+    with open(backing, "wb") as handle:
+        handle.truncate(2 * part)
+    devices: list[str] = []
+    try:
+        for offset in (0, part // 2):  # the second part starts inside the first
+            command = ["losetup", "--find", "--show", "--offset", str(offset), "--sizelimit", str(part)]
+            attached = subprocess.run([*command, str(backing)], capture_output=True, text=True)
+            if attached.returncode != 0:
+                pytest.skip(f"losetup could not attach a loop device: {attached.stderr.strip()}")
+            devices.append(attached.stdout.strip())
+        first = open_raw(sized_config(devices[0]))
+        try:
+            assert store(first, make_keys(1), [pattern(1, 3000)]) == [True]
+            held = f"{devices[1]} is a loop device over {backing}, which another adapter"
+            with pytest.raises(FieldError, match=held):
+                RawBlockBackend.preflight(sized_config(devices[1]))
+            with pytest.raises(ConfigError, match=held):
+                open_raw(sized_config(devices[1]))
+            assert load(first, make_keys(1), [3000]) == ([True], [pattern(1, 3000)])
+        finally:
+            first.close()
+        open_raw(sized_config(devices[1])).close()  # the first let its bytes go
+    finally:
+        for device in devices:
+            subprocess.run(["losetup", "--detach", device], check=False)
+        shutil.rmtree(directory, ignore_errors=True)

@@ -4,14 +4,17 @@ still using it."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
 import stat
+import struct
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 from lmcache_tiers.plugin import ConfigError, FieldError, check_claimed_once
 
@@ -43,15 +46,28 @@ def lock_device(fd: int, path: str, type_name: str) -> None:
         ) from None
 
 
-def _loop_backing_file(device_fd: int) -> tuple[str, int] | None:
-    """The file a loop block device (or a partition of one) reads and writes, with the
-    ``flock`` mode an adapter on it takes there; None: not a loop device, detached, or its
-    file deleted (nothing else can open it then).
+class _LoopBacking(NamedTuple):
+    """The file behind a loop device (or a partition of one) and the bytes of it the
+    device reaches: from ``start``, ``length`` of them (0: to the file's end)."""
 
-    A loop device over the whole file takes it exclusively; a partition, or a loop device
-    over a part of the file (an offset or a size limit), shares it, so several of those
-    (whose parts do not overlap) can run side by side while an adapter naming the file
-    itself, which takes it whole, is refused as any of them is."""
+    path: str
+    start: int
+    length: int
+    whole: bool  # the loop device itself, over the whole file
+
+
+_SECTOR = 512  # the unit of a partition's start and size in sysfs
+
+
+def _loop_backing_file(device_fd: int) -> _LoopBacking | None:
+    """The file a loop block device (or a partition of one) reads and writes, and its
+    part; None: not a loop device, detached, or its file deleted (nothing else can open
+    it then).
+
+    A loop device over the whole file takes its ``flock`` exclusively; a partition, or a
+    loop device over a part of the file (an offset or a size limit), shares it and locks
+    its own bytes (:func:`_lock_part`), so several parts that do not overlap run side by
+    side, while two that do, or an adapter naming the file itself, are refused."""
     rdev = os.fstat(device_fd).st_rdev
     node = os.path.realpath(f"/sys/dev/block/{os.major(rdev)}:{os.minor(rdev)}")
     for directory in (node, os.path.dirname(node)):  # a partition's loop is its parent's
@@ -59,14 +75,19 @@ def _loop_backing_file(device_fd: int) -> tuple[str, int] | None:
         try:
             with open(os.path.join(loop, "backing_file")) as handle:
                 backing = handle.read().rstrip("\n")
-            whole = directory == node and all(
-                _read_int(os.path.join(loop, name)) == 0 for name in ("offset", "sizelimit")
+            start, length = (
+                _read_int(os.path.join(loop, "offset")),
+                _read_int(os.path.join(loop, "sizelimit")),
             )
+            if directory != node:  # a partition: its sectors, from the loop device's offset
+                start += _read_int(os.path.join(node, "start")) * _SECTOR
+                length = _read_int(os.path.join(node, "size")) * _SECTOR
         except OSError:
             continue
         if backing.endswith(" (deleted)"):
             return None
-        return backing, fcntl.LOCK_EX if whole else fcntl.LOCK_SH
+        whole = directory == node and start == 0 and length == 0
+        return _LoopBacking(backing, start, length, whole)
     return None
 
 
@@ -75,23 +96,57 @@ def _read_int(path: str) -> int:
         return int(handle.read().strip() or 0)
 
 
+def _open_backing(backing: str) -> int:
+    """The file behind a loop device, opened to lock it: read-write where this user may
+    (a part's own bytes take a write lock, which only such a descriptor can hold)."""
+    try:
+        return os.open(backing, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return os.open(backing, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+
+
+def _lock_backing(fd: int, found: _LoopBacking) -> None:
+    """``flock`` the file behind a loop device -- exclusively for the whole file, shared
+    for a part -- and, for a part, an open-file-description write lock on its bytes: held
+    as long as ``fd`` stays open, by any process (like ``flock``, and unlike a POSIX
+    record lock, not dropped by another descriptor's close).  Raises BlockingIOError
+    when another adapter holds the file or overlapping bytes; OSError otherwise."""
+    fcntl.flock(fd, (fcntl.LOCK_EX if found.whole else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    if found.whole:
+        return
+    request = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, found.start, found.length, 0)
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, request)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            raise BlockingIOError(exc.errno, exc.strerror) from None
+        if exc.errno != errno.EBADF:
+            raise
+        # Read-only here: no write lock. An adapter on an overlapping part needs this
+        # file writable to clash, and would be refused only by its own lock.
+        log.warning(
+            "%s is not writable here: the bytes %d.. of it a loop device reaches are not locked "
+            "against another loop device over them",
+            found.path,
+            found.start,
+        )
+
+
 def lock_loop_backing_file(device_fd: int, path: str, type_name: str) -> int:
-    """For a loop device: ``flock`` on the file behind it (exclusive, or shared for a part
-    of it: see :func:`_loop_backing_file`), held as long as the descriptor returned stays
-    open (-1: not a loop device, nothing held).
+    """For a loop device: the locks of :func:`_lock_backing` on the file behind it, held
+    as long as the descriptor returned stays open (-1: not a loop device, nothing held).
 
     The device's own lock and exclusive open do not reach that file: an adapter (this
-    server's or another's, ``raw_block`` or ``dax``) naming the file itself would
-    otherwise take the same bytes for its own device and overwrite the slots of the
-    one naming the loop device.  Each takes the lock on the file, so the second is
-    refused whichever comes first.
+    server's or another's, ``raw_block`` or ``dax``) naming the file itself, or a loop
+    device over the same bytes of it, would otherwise take the same bytes for its own
+    device and overwrite the slots of the one naming this loop device.  Each takes the
+    locks on the file, so the second is refused whichever comes first.
     """
     found = _loop_backing_file(device_fd)
     if found is None:
         return -1
-    backing, mode = found
     try:
-        fd = os.open(backing, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = _open_backing(found.path)
     except OSError as exc:
         # Not even readable here (or gone from this mount namespace): no adapter of this
         # user can open it read-write as its device either, so none can clash with this one.
@@ -100,19 +155,19 @@ def lock_loop_backing_file(device_fd: int, path: str, type_name: str) -> int:
             "naming that file is not refused",
             type_name,
             path,
-            backing,
+            found.path,
             exc.strerror,
         )
         return -1
     try:
-        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        _lock_backing(fd, found)
     except BlockingIOError:
         os.close(fd)
-        raise ConfigError(f"{type_name}: {_backing_in_use(path, backing)}") from None
+        raise ConfigError(f"{type_name}: {_backing_in_use(path, found.path)}") from None
     except OSError as exc:
         os.close(fd)
         raise ConfigError(
-            f"{type_name}: cannot lock {backing} (behind the loop device {path}) against a second "
+            f"{type_name}: cannot lock {found.path} (behind the loop device {path}) against a second "
             f"server: {exc.strerror}"
         ) from None
     return fd
@@ -120,8 +175,8 @@ def lock_loop_backing_file(device_fd: int, path: str, type_name: str) -> int:
 
 def probe_loop_backing_file(path: str, field: str, type_name: str) -> None:
     """Pre-flight of :func:`lock_loop_backing_file`: refuse a loop device ``path`` whose
-    file another adapter holds now.  Tried and let go at once; the open stays the
-    authority."""
+    file (or its bytes) another adapter holds now.  Tried and let go at once (the close
+    drops both locks); the open stays the authority."""
     try:
         if not stat.S_ISBLK(os.stat(path).st_mode):
             return
@@ -134,19 +189,16 @@ def probe_loop_backing_file(path: str, field: str, type_name: str) -> None:
         os.close(device_fd)
     if found is None:
         return
-    backing, mode = found
     try:
-        fd = os.open(backing, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = _open_backing(found.path)
     except OSError:
         return
     try:
-        try:
-            fcntl.flock(fd, mode | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise FieldError(field, _backing_in_use(path, backing)) from None
-        except OSError:
-            return
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        _lock_backing(fd, found)
+    except BlockingIOError:
+        raise FieldError(field, _backing_in_use(path, found.path)) from None
+    except OSError:
+        return
     finally:
         os.close(fd)
 
