@@ -1,10 +1,11 @@
-"""Slices that never become store tasks do not hold back the slices queued behind them.
+"""Store slices that never become tasks: they hold back no slice behind them, do not pile
+up for a slow adapter, and a burst of them is one log line.
 
 A slice whose objects all left L1 before their store (a clear, an eviction under
 pressure) ends as soon as it is taken: no task runs, so no adapter report wakes the store
-controller for the next one.  The controller's regular interval is made an hour here, so
-a slice queued behind such one reaches L2 only if the step that took it goes on to take
-the next -- no assertion depends on how fast the machine is.
+controller for the next one.  The controller's regular interval is made an hour in the
+first test, so a slice queued behind such one reaches L2 only if the step that took it
+goes on to take the next -- no assertion depends on how fast the machine is.
 """
 
 from __future__ import annotations
