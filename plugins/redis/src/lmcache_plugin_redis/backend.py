@@ -653,7 +653,8 @@ class RedisBackend:
         """Count (``store_limits_assumed``) and say in one warning that the limits are now
         partly Redis's defaults, not the store's -- at open, or when a store that answered
         CONFIG GET stops (a failover to a managed store, an ACL changed): a limit set lower
-        there is not seen, and an object over it fails its batch.  The reads while it
+        there is not seen before an object over it is sent, which the store drops the
+        connection on (refused alone, ``_store_each_alone``).  The reads while it
         lasts (every probe, every dropped store) say nothing more."""
         with self._limits_lock:
             started = assumed and not self._limits_assumed
@@ -665,7 +666,8 @@ class RedisBackend:
         log.warning(
             "%s: CONFIG GET of proto-max-bulk-len or client-query-buffer-limit is refused: "
             "Redis's defaults (%d and %d bytes) are assumed where it is, and an object over a "
-            "lower limit set there fails its batch (grant the user +config|get to read them)",
+            "lower limit set there is sent, dropped by the store and refused "
+            "(store_refused_dropped_alone; grant the user +config|get to read them)",
             self.context.name,
             defaults.bulk,
             defaults.query_buffer,
