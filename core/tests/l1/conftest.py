@@ -8,6 +8,7 @@ import mmap
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +17,9 @@ import pytest
 
 from lmcache_tiers.l1.arena import SEGMENT_PREFIX
 from lmcache_tiers.l1.nvme import FILE_SUFFIX
+
+# Helpers shared by the L1 tests (imported by name under importlib mode).
+sys.path.insert(0, str(Path(__file__).parent))
 
 # Segments this test process creates: default names carry our pid, and tests that choose a
 # name start it with `segment_prefix`. Other processes on the host (parallel test

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from l1_closing import ALIGN, closing_after_the_check, memory_or_nvme_l1
 
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l1 import L1Manager, L1Object
-
-ALIGN = 4096
+from lmcache_tiers.l1 import L1Manager
 
 
 def key(index: int) -> ObjectKey:
@@ -21,12 +19,7 @@ def key(index: int) -> ObjectKey:
 
 @pytest.fixture(params=["memory", "nvme"])
 def l1(request: pytest.FixtureRequest) -> Iterator[L1Manager]:
-    nvme_dir: Path | None = request.getfixturevalue("nvme_dir") if request.param == "nvme" else None
-    manager = L1Manager(
-        16 * ALIGN, align=ALIGN, prefault=False, nvme_path=None if nvme_dir is None else str(nvme_dir)
-    )
-    yield manager
-    manager.close()
+    yield from memory_or_nvme_l1(request)
 
 
 def stored(l1: L1Manager, stored_key: ObjectKey) -> None:
@@ -34,19 +27,6 @@ def stored(l1: L1Manager, stored_key: ObjectKey) -> None:
     reserved = l1.reserve_write([stored_key], [ALIGN])
     l1.write_object(reserved[stored_key], memoryview(bytes(range(256)) * (ALIGN // 256)))
     assert l1.finish_write([stored_key]) == [True]
-
-
-def closing_after_the_check(l1: L1Manager, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Close L1 right after a read's presence check passed (a stop landing between the
-    check and the copy, which runs without the L1 lock)."""
-    table = l1._table
-    check_present = table.check_present
-
-    def check_then_close(obj: L1Object) -> None:
-        check_present(obj)
-        l1.close()
-
-    monkeypatch.setattr(table, "check_present", check_then_close)
 
 
 def test_a_read_whose_l1_closes_before_its_copy_is_a_counted_miss(

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from l1_closing import ALIGN, closing_after_the_check, memory_or_nvme_l1
 
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l1 import L1Manager, L1Object
+from lmcache_tiers.l1 import L1Manager
 
-ALIGN = 4096
 PAYLOAD = memoryview(bytes(range(256)) * (ALIGN // 256))
 
 
@@ -23,25 +23,7 @@ def key(index: int) -> ObjectKey:
 
 @pytest.fixture(params=["memory", "nvme"])
 def l1(request: pytest.FixtureRequest) -> Iterator[L1Manager]:
-    nvme_dir: Path | None = request.getfixturevalue("nvme_dir") if request.param == "nvme" else None
-    manager = L1Manager(
-        16 * ALIGN, align=ALIGN, prefault=False, nvme_path=None if nvme_dir is None else str(nvme_dir)
-    )
-    yield manager
-    manager.close()
-
-
-def closing_after_the_check(l1: L1Manager, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Close L1 right after a write's reservation check passed (a stop landing between the
-    check and the copy, which runs without the L1 lock)."""
-    table = l1._table
-    check_present = table.check_present
-
-    def check_then_close(obj: L1Object) -> None:
-        check_present(obj)
-        l1.close()
-
-    monkeypatch.setattr(table, "check_present", check_then_close)
+    yield from memory_or_nvme_l1(request)
 
 
 def test_a_write_whose_l1_closes_before_its_copy_is_a_counted_failed_store(
