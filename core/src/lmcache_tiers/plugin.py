@@ -47,7 +47,8 @@ What each kind of plugin needs:
   ``RECORD_ALIGN``, ``RECORD_SUFFIX``, whole verified loads of record files
   ``RecordLoads``, name helpers (``record_name``, ``classify_name``,
   ``EntryKind``, ``is_temp_name``, ``check_relative_dir``, ``record_key``), ``identity_of``,
-  ``FileIdentity``, ``is_out_of_space``, ``ABSENT_FILE_ERRORS`` (the errors that mean "no
+  ``FileIdentity``, ``is_out_of_space``, ``fsync_directory`` (a directory's entries made
+  durable), ``ABSENT_FILE_ERRORS`` (the errors that mean "no
   such record"), ``KeyStripes`` (per-key locks), ``judge_digest_record``,
   ``keeps_unlisted`` and ``log_unreadable_header`` (listing digest-named records); stores
   with paths or devices, for their ``preflight``: ``check_directory``, ``check_file``, a directory
@@ -149,6 +150,7 @@ if TYPE_CHECKING:
         record_key,
         record_name,
     )
+    from lmcache_tiers.l2.files.durable import fsync_directory
     from lmcache_tiers.l2.files.loads import RecordLoads
     from lmcache_tiers.l2.interface import L2Adapter, L2Listener, L2Op, LookupResult
     from lmcache_tiers.l2.leftcalls import LeftCallThreads
@@ -259,6 +261,7 @@ _LAZY = {
     "record_key": _FILES,
     "record_name": _FILES,
     "RecordLoads": "lmcache_tiers.l2.files.loads",
+    "fsync_directory": "lmcache_tiers.l2.files.durable",
     "check_claimed_once": "lmcache_tiers.l2.preflight",
     "check_directory": "lmcache_tiers.l2.preflight",
     "check_directory_free": "lmcache_tiers.l2.preflight",
@@ -448,6 +451,7 @@ __all__ = [
     "direct_io_refusal",
     "free_port",
     "free_ports",
+    "fsync_directory",
     "header_length",
     "hookimpl",
     "identity_of",

@@ -34,6 +34,7 @@ from lmcache_tiers.plugin import (
     FieldError,
     check_directory_free,
     check_relative_dir,
+    fsync_directory,
     is_temp_name,
 )
 
@@ -203,7 +204,7 @@ class TempDirRecord:
             # The removals must be durable before the record forgets the directory: after
             # a power loss the files would be back in a directory nothing sweeps any more.
             try:
-                _fsync_directory(directory)
+                fsync_directory(directory)
             except OSError as exc:
                 self._failed("temp_files_not_removed", "make durable the removals", directory, exc)
                 return None
@@ -270,15 +271,6 @@ def _store_file(entries: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def _fsync_directory(directory: str) -> None:
-    """fsync a local directory: the entries added to it or removed from it are durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _replace_durably(path: str, staged: str, text: bytes | None) -> None:
     """Put ``text`` at the local ``path`` through ``staged`` (None: remove ``path``),
     durably: the staged file is fsynced before it is renamed over ``path`` -- else a power
@@ -287,7 +279,7 @@ def _replace_durably(path: str, staged: str, text: bytes | None) -> None:
     directory = posixpath.dirname(path)
     if text is None:
         os.unlink(path)
-        _fsync_directory(directory)
+        fsync_directory(directory)
         return
     fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
@@ -298,4 +290,4 @@ def _replace_durably(path: str, staged: str, text: bytes | None) -> None:
     finally:
         os.close(fd)
     os.replace(staged, path)
-    _fsync_directory(directory)
+    fsync_directory(directory)
