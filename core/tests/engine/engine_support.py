@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from lmcache_tiers.config import AdapterSpec, L2AdapterConfig, ServerConfig, decode_adapter
@@ -294,3 +295,13 @@ def parked_prefetch(storage: StorageManager, keys: Sequence[ObjectKey], size: in
     handle = storage.submit_prefetch(keys)
     assert backend.loads_started.acquire(timeout=10)
     return handle
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Whether ``condition`` came to hold within ``timeout`` seconds (polled)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True

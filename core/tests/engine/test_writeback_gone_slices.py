@@ -10,24 +10,12 @@ goes on to take the next -- no assertion depends on how fast the machine is.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
-from engine_support import GatedConfig, gated_backend, keys_of, store
+from engine_support import GatedConfig, gated_backend, keys_of, store, wait_for
 
 from lmcache_tiers.config import AdapterSpec
 from lmcache_tiers.controllers import store_pacing
 
 SIZE = 32 * 1024
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.002)
-    return True
 
 
 def test_a_write_queued_behind_slices_of_cleared_objects_is_stored(engine, monkeypatch) -> None:

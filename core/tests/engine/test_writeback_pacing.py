@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from engine_support import GatedConfig, gated_backend, keys_of, store
+from engine_support import GatedConfig, gated_backend, keys_of, store, wait_for
 
 from lmcache_tiers.activity import DATA_PLANE
 from lmcache_tiers.config import AdapterSpec
@@ -27,15 +27,6 @@ SIZE = 32 * 1024
 
 def gated() -> AdapterSpec:
     return AdapterSpec(type="gated", config=GatedConfig())
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.002)
-    return True
 
 
 def stored_keys(storage: StorageManager) -> set[object]:
