@@ -4,7 +4,9 @@ record -- and that none of it reaches a caller's buffer as garbage."""
 
 from __future__ import annotations
 
+import gc
 import time
+import tracemalloc
 import zlib
 from collections.abc import Iterator
 
@@ -131,6 +133,51 @@ def test_damage_a_second_read_does_not_find_is_no_reason_to_remove_the_object(
         assert raw.exists(key), "an intact object was removed for damage done on the way"
         stats = adapter.stats()
         assert stats["damage_not_repeated"] == 1 and stats.get("corrupt_records_removed", 0) == 0
+
+
+def test_a_load_read_again_for_damage_no_longer_holds_the_first_reads_payload(
+    seaweed: SeaweedS3, prefix: str, l1: memoryview, opened: list[L2Adapter]
+) -> None:
+    # The damage raises through the frame that read the payload, and the exception's
+    # traceback and the request's task hold each other: without the payload dropped, only
+    # the cycle collector frees it, so the second read of a large record ran with the
+    # first one's bytes still held -- twice the load's memory.  The collector is off here
+    # so the outcome does not depend on when it happens to run.
+    size = 2 << 20
+    with FlippingRelay(seaweed.endpoint) as relay:
+        adapter = open_adapter(s3_config(seaweed, prefix, endpoint_url=relay.endpoint), l1)
+        opened.append(adapter)
+        (key,) = make_keys(1)
+        data = store(adapter, l1, [key], size=size)
+        result = blocking(adapter).lookup_and_lock([key])
+        buffer, _region = fenced(l1, result.sizes[0])
+        backend = adapter.backend.inner  # type: ignore[attr-defined]  # behind core's circuit breaker
+        assert isinstance(backend, S3Backend)
+        request = backend.client.request
+        held_at_second_read: list[int] = []
+
+        async def measured(method: str, **kwargs: object) -> object:
+            if method == "get_object" and "IfMatch" in kwargs:
+                held_at_second_read.append(tracemalloc.get_traced_memory()[0] - baseline)
+            return await request(method, **kwargs)
+
+        backend.client.request = measured  # type: ignore[method-assign]
+        gc.collect()
+        gc.disable()
+        tracemalloc.start()
+        try:
+            baseline = tracemalloc.get_traced_memory()[0]
+            relay.flip_once(after=HEADER_BYTES + size // 2)  # past the HTTP head: in the payload
+            loaded = blocking(adapter).load([key], [buffer])
+        finally:
+            tracemalloc.stop()
+            gc.enable()
+            del backend.client.request
+        adapter.unlock([key])
+    assert relay.flipped == 1, "no byte was flipped: the test tested nothing"
+    assert loaded == [True] and bytes(buffer) == data[0]
+    assert len(held_at_second_read) == 1
+    assert held_at_second_read[0] < size // 2, f"{held_at_second_read[0]} bytes held at the second read"
 
 
 def test_a_lookup_reading_damage_a_second_read_does_not_find_keeps_the_object(

@@ -587,6 +587,11 @@ class S3Backend:
                 if len(payload) != buffer.nbytes:
                     raise ShortBody(f"the body ended after {len(payload)} of {buffer.nbytes} payload bytes")
                 copy_into(buffer, payload)
+                # Dropped before the check: damage found raises through this frame, and the
+                # exception's traceback keeps its locals alive -- in a reference cycle with
+                # the request's task, until the cycle collector runs -- so the payload would
+                # still be held through the second read, twice the load's bytes at once.
+                del payload
             finally:
                 body.close()
             try:
