@@ -219,11 +219,7 @@ def test_a_header_describing_a_payload_the_record_lacks_is_a_lookup_miss_never_a
     # gone): believed, the lookup would account 1 TiB against a 1 GiB capacity and the
     # eviction would clear the cache for it.  The lookup compares the header with the
     # stored payload's length: the record is damage -- a miss, counted, removed.
-    where, raw = shared_store(request, "cluster" if mode == "cluster" else "standalone")
-    adapter = open_adapter(**where, key_prefix=prefix, max_capacity_gb=1.0)
-    backend = backend_of(adapter)
-    if mode == "pipelined":  # the replies redis-py parses, as in cluster mode
-        backend._direct = None
+    adapter, backend, raw = adapter_in_mode(request, prefix, open_adapter, mode, max_capacity_gb=1.0)
     keys = make_keys(2)
     data = store(adapter, keys)
     name = backend.name_of(keys[0])
@@ -292,11 +288,7 @@ def test_a_record_rewritten_while_its_length_is_read_is_never_removed(
     # disagrees with the length), and the first object again before the lookup acts on
     # it.  The record is then intact, its header the one read: removing it would lose an
     # acknowledged write.  A miss is safe; the removal must see the record as it is now.
-    where, raw = shared_store(request, "cluster" if mode == "cluster" else "standalone")
-    adapter = open_adapter(**where, key_prefix=prefix)
-    backend = backend_of(adapter)
-    if mode == "pipelined":
-        backend._direct = None
+    adapter, backend, raw = adapter_in_mode(request, prefix, open_adapter, mode)
     keys = make_keys(1)
     (data,) = store(adapter, keys)
     name = backend.name_of(keys[0])
@@ -368,11 +360,7 @@ def _damaged_after_its_lookup(
 ) -> DamagedRecord:
     """Store one object on a ``mode`` adapter ("direct", "pipelined" or "cluster"), look
     it up (locking it), then ``damage`` it: the load that follows reads the damage."""
-    where, raw = shared_store(request, "cluster" if mode == "cluster" else "standalone")
-    adapter = open_adapter(**where, key_prefix=prefix)
-    backend = backend_of(adapter)
-    if mode == "pipelined":
-        backend._direct = None
+    adapter, backend, raw = adapter_in_mode(request, prefix, open_adapter, mode)
     keys = make_keys(1)
     (data,) = store(adapter, keys)
     name = backend.name_of(keys[0])
@@ -497,11 +485,7 @@ def test_a_payload_without_its_header_stored_whole_again_meanwhile_is_never_remo
     # During a rolling upgrade another server may store the object whole between the
     # read that found the stray payload and its removal: that record is intact, and
     # removing it would lose an acknowledged write.
-    where, raw = shared_store(request, "cluster" if mode == "cluster" else "standalone")
-    adapter = open_adapter(**where, key_prefix=prefix)
-    backend = backend_of(adapter)
-    if mode == "pipelined":
-        backend._direct = None
+    adapter, backend, raw = adapter_in_mode(request, prefix, open_adapter, mode)
     keys = make_keys(1)
     (data,) = store(adapter, keys)
     name = backend.name_of(keys[0])
@@ -564,6 +548,24 @@ def shared_store(request: pytest.FixtureRequest, mode: str) -> tuple[dict[str, A
     cluster: RedisClusterNodes = request.getfixturevalue("redis_cluster")
     where = {"startup_nodes": cluster.startup_nodes, "cluster_mode": True}
     return where, redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+
+
+def adapter_in_mode(
+    request: pytest.FixtureRequest,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    mode: str,
+    **config: Any,
+) -> tuple[BackendAdapter, RedisBackend, Any]:
+    """(adapter, its backend, a raw client) on the shared store of ``mode``: "direct"
+    (the adapter's own reply parsing), "pipelined" (the replies redis-py parses, as in
+    cluster mode) or "cluster"."""
+    where, raw = shared_store(request, "cluster" if mode == "cluster" else "standalone")
+    adapter = open_adapter(**where, key_prefix=prefix, **config)
+    backend = backend_of(adapter)
+    if mode == "pipelined":
+        backend._direct = None
+    return adapter, backend, raw
 
 
 @pytest.mark.parametrize("mode", ["standalone", "cluster"])
