@@ -313,9 +313,8 @@ def test_temp_files_go_to_relative_tmp_dir_and_are_swept(tmp_path: Path) -> None
         adapter.close()
 
 
-def test_with_fsync_the_directories_the_adapter_makes_are_durable(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def recorded_fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths ``os.fsync`` is called on from now on, in order (each still synced)."""
     synced: list[str] = []
     real_fsync = os.fsync
 
@@ -324,6 +323,13 @@ def test_with_fsync_the_directories_the_adapter_makes_are_durable(
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", recording)
+    return synced
+
+
+def test_with_fsync_the_directories_the_adapter_makes_are_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced = recorded_fsyncs(monkeypatch)
     root = tmp_path / "new" / "l2"
     arena = Arena()
     adapter = open_fs(fs_config(str(root), fsync=True, shard_dirs=True), arena.view)
@@ -1742,14 +1748,7 @@ def test_the_record_of_temp_dirs_and_the_sweep_it_drives_are_durable(
     """Without ``fsync`` too: the record must survive a power loss before a store writes
     in the directory it names, and an old directory's removals before the record forgets
     it -- else a power loss strands temporary files in a directory nothing sweeps."""
-    synced: list[str] = []
-    real_fsync = os.fsync
-
-    def recording(fd: int) -> None:
-        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", recording)
+    synced = recorded_fsyncs(monkeypatch)
     record = str(tmp_path / ".lmcache-tiers-temp-dirs")
     open_fs(fs_config(str(tmp_path), relative_tmp_dir="staging")).close()
     # the staged copy's bytes, then the rename that made it the record
