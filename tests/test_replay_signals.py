@@ -62,6 +62,39 @@ def _launch_held(module: str, attribute: str, marker: Path, args: list[str]) -> 
     )
 
 
+#: run in the replay's process before the command: the import of MODULE creates the file
+#: MARKER and waits
+_HELD_IMPORT = """
+import pathlib, sys, time
+module_name, marker = sys.argv[1:3]
+del sys.argv[1:3]
+
+class Held:
+    def find_spec(self, name, path, target=None):
+        if name == module_name:
+            pathlib.Path(marker).touch()
+            while True:
+                time.sleep(3600)  # until the test's signal
+        return None
+
+sys.meta_path.insert(0, Held())
+from lmcache_tiers.cli.main import main
+sys.argv[0] = "lmcache-tiers"
+main(sys.argv[1:])
+"""
+
+
+def _signal_once_held(replay: subprocess.Popen[str], marker: Path, sig: int) -> tuple[int, str, str]:
+    """The exit code, stdout and stderr of ``replay`` sent ``sig`` once it is held."""
+    try:
+        _wait_for(marker, replay)
+        replay.send_signal(sig)
+        out, err = replay.communicate(timeout=60)
+    finally:
+        replay.kill()
+    return replay.returncode, out, err
+
+
 def _wait_for(marker: Path, replay: subprocess.Popen[str]) -> None:
     deadline = time.monotonic() + 120
     while not marker.exists():
@@ -104,16 +137,11 @@ def test_a_signal_during_the_simulation_is_one_line(tmp_path: Path, sig: int) ->
     """SIGTERM killed the command outright (no line, exit -15); Ctrl-C printed an empty line."""
     marker = tmp_path / "simulating"
     trace = str(small_trace(tmp_path / "t.jsonl"))
-    replay = _launch_held(
-        "lmcache_tiers.replay.simulate", "simulate_curve", marker, ["replay", trace, "--simulate", "--json"]
+    args = ["replay", trace, "--simulate", "--json"]
+    code, out, err = _signal_once_held(
+        _launch_held("lmcache_tiers.replay.simulate", "simulate_curve", marker, args), marker, sig
     )
-    try:
-        _wait_for(marker, replay)
-        replay.send_signal(sig)
-        out, err = replay.communicate(timeout=60)
-    finally:
-        replay.kill()
-    assert replay.returncode == 128 + sig, err
+    assert code == 128 + sig, err
     assert out == ""
     assert _one_error_line(err) == (
         f"error: interrupted ({signal.Signals(sig).name}) while simulating; "
@@ -160,14 +188,10 @@ def test_a_signal_as_the_plot_is_written_leaves_no_half_written_file(tmp_path: P
     plot = plots / "curve.png"
     trace = str(small_trace(tmp_path / "t.jsonl"))
     args = ["replay", trace, "--simulate", "--capacity", "8", "--plot", str(plot)]
-    replay = _launch_held("matplotlib.figure", "Figure.savefig", marker, args)
-    try:
-        _wait_for(marker, replay)  # the image is written, the command not done with it
-        replay.send_signal(signal.SIGTERM)
-        out, err = replay.communicate(timeout=60)
-    finally:
-        replay.kill()
-    assert replay.returncode == 128 + signal.SIGTERM, err
+    code, out, err = _signal_once_held(
+        _launch_held("matplotlib.figure", "Figure.savefig", marker, args), marker, signal.SIGTERM
+    )
+    assert code == 128 + signal.SIGTERM, err
     assert out == ""
     assert _one_error_line(err) == (
         f"error: interrupted (SIGTERM) while writing the plot {plot}; no report, and no plot written"
@@ -224,14 +248,10 @@ def test_ctrl_c_as_the_command_starts_is_one_line(tmp_path: Path) -> None:
     KeyboardInterrupt traceback."""
     marker = tmp_path / "loaded"
     args = ["replay", str(small_trace(tmp_path / "t.jsonl")), "--simulate"]
-    replay = _launch_held("lmcache_tiers.plugins", "load_plugins", marker, args)
-    try:
-        _wait_for(marker, replay)
-        replay.send_signal(signal.SIGINT)
-        out, err = replay.communicate(timeout=60)
-    finally:
-        replay.kill()
-    assert replay.returncode == 130, err
+    code, out, err = _signal_once_held(
+        _launch_held("lmcache_tiers.plugins", "load_plugins", marker, args), marker, signal.SIGINT
+    )
+    assert code == 130, err
     assert out == ""
     assert _one_error_line(err) == "error: interrupted (SIGINT) as the command started"
 
@@ -242,16 +262,31 @@ def test_a_signal_as_the_trace_is_re_timed_names_that_step(tmp_path: Path) -> No
     marker = tmp_path / "re-timed"
     trace = str(small_trace(tmp_path / "t.jsonl"))
     args = ["replay", trace, "--simulate", "--retime", "0", "--capacity", "8"]
-    replay = _launch_held("lmcache_tiers.replay.analysis", "prepare", marker, args)
-    try:
-        _wait_for(marker, replay)
-        replay.send_signal(signal.SIGTERM)
-        out, err = replay.communicate(timeout=60)
-    finally:
-        replay.kill()
-    assert replay.returncode == 128 + signal.SIGTERM, err
+    code, out, err = _signal_once_held(
+        _launch_held("lmcache_tiers.replay.analysis", "prepare", marker, args), marker, signal.SIGTERM
+    )
+    assert code == 128 + signal.SIGTERM, err
     assert out == ""
     assert _one_error_line(err) == (
         "error: interrupted (SIGTERM) while re-timing the trace (--retime); "
         "no report: the simulation had not started"
     )
+
+
+def test_ctrl_c_as_the_replay_loads_its_modules_is_one_line(tmp_path: Path) -> None:
+    """Ctrl-C once the command ran but before the replay's signal handling was in place (its
+    modules loading, a good part of a second on a loaded machine) ended it with exit 130 and
+    not a word: typer turns a KeyboardInterrupt into a silent exit."""
+    marker = tmp_path / "importing"
+    args = ["replay", str(small_trace(tmp_path / "t.jsonl")), "--simulate"]
+    replay = subprocess.Popen(
+        [sys.executable, "-c", _HELD_IMPORT, "lmcache_tiers.replay.run", str(marker), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=stop_signals_at_default(),
+    )
+    code, out, err = _signal_once_held(replay, marker, signal.SIGINT)
+    assert code == 130, err
+    assert out == ""
+    assert _one_error_line(err) == "error: interrupted (SIGINT) while starting; nothing was replayed"

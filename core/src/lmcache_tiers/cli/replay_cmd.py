@@ -126,13 +126,20 @@ def _ended_by_signal(step: _Step) -> Iterator[None]:
     own handlers in place while it runs, and reports what it measured); where that prints
     nothing, one line names the signal and ``step``, and the exit code is 128 + the signal.
     Later signals are ignored while it unwinds, which takes no time outside the replay."""
-    from lmcache_tiers.replay.server import signalled, signals_unwind
-
     try:
+        # Inside: loading the replay's modules takes a moment, and Ctrl-C there ended the
+        # command with exit 130 and not a word (typer's own handling of KeyboardInterrupt).
+        from lmcache_tiers.replay.server import signals_unwind
+
         with signals_unwind():
             yield
     except (KeyboardInterrupt, SystemExit) as exc:
-        signum = signalled(exc)
+        if isinstance(exc, KeyboardInterrupt):
+            signum: int | None = signal.SIGINT  # only Ctrl-C raises it, maybe before the import
+        else:
+            from lmcache_tiers.replay.server import signalled
+
+            signum = signalled(exc)
         if signum is None:
             raise  # an error whose line is printed already
         fail(f"interrupted ({signal.Signals(signum).name}) while {step.now}; {step.left}", 128 + signum)
@@ -290,10 +297,11 @@ def replay(
     ] = None,
 ) -> None:
     from lmcache_tiers.errors import TiersError
-    from lmcache_tiers.replay.run import check_pacing
 
     step = _Step()
     with _ended_by_signal(step):
+        from lmcache_tiers.replay.run import check_pacing
+
         _check_stdout()
         modes = [
             name
