@@ -150,22 +150,8 @@ def test_the_file_behind_a_loop_device_in_use_is_refused_and_the_other_way_round
 def test_loop_devices_over_parts_of_one_file_run_side_by_side_and_hold_the_file() -> None:
     """Loop devices over two parts of one file (an offset and a size limit each) are two
     devices: each has its adapter, while an adapter naming the whole file is refused."""
-    reason = _unavailable()
-    if reason is not None:
-        pytest.skip(reason)
     part = sized_config("x").capacity_bytes
-    directory = tempfile.mkdtemp(prefix="lmcache-raw-block-loop-")
-    backing = Path(directory) / "backing.img"
-    with open(backing, "wb") as handle:
-        handle.truncate(2 * part)
-    devices: list[str] = []
-    try:
-        for offset in (0, part):
-            command = ["losetup", "--find", "--show", "--offset", str(offset), "--sizelimit", str(part)]
-            attached = subprocess.run([*command, str(backing)], capture_output=True, text=True)
-            if attached.returncode != 0:
-                pytest.skip(f"losetup could not attach a loop device: {attached.stderr.strip()}")
-            devices.append(attached.stdout.strip())
+    with loop_devices_over_parts(part, [0, part]) as (backing, devices):
         keys, data = make_keys(2), [pattern(1, 3000), pattern(2, 5000)]
         adapters = [open_raw(sized_config(device)) for device in devices]
         try:
@@ -178,6 +164,28 @@ def test_loop_devices_over_parts_of_one_file_run_side_by_side_and_hold_the_file(
         finally:
             for adapter in adapters:
                 adapter.close()
+
+
+@contextmanager
+def loop_devices_over_parts(part: int, offsets: list[int]) -> Iterator[tuple[Path, list[str]]]:
+    """(a fresh sparse file, loop devices over the ``part`` bytes of it at each of
+    ``offsets``); detached and removed afterwards."""
+    reason = _unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    directory = tempfile.mkdtemp(prefix="lmcache-raw-block-loop-")
+    backing = Path(directory) / "backing.img"
+    with open(backing, "wb") as handle:
+        handle.truncate(max(offsets) + part)
+    devices: list[str] = []
+    try:
+        for offset in offsets:
+            command = ["losetup", "--find", "--show", "--offset", str(offset), "--sizelimit", str(part)]
+            attached = subprocess.run([*command, str(backing)], capture_output=True, text=True)
+            if attached.returncode != 0:
+                pytest.skip(f"losetup could not attach a loop device: {attached.stderr.strip()}")
+            devices.append(attached.stdout.strip())
+        yield backing, devices
     finally:
         for device in devices:
             subprocess.run(["losetup", "--detach", device], check=False)
@@ -265,22 +273,8 @@ def test_loop_devices_over_overlapping_parts_of_one_file_are_refused_to_a_second
     """Two loop devices over parts of one file that share bytes would each take those
     bytes for slots of their own: the second adapter is refused (by the pre-flight too),
     and runs once the first closed."""
-    reason = _unavailable()
-    if reason is not None:
-        pytest.skip(reason)
     part = sized_config("x").capacity_bytes
-    directory = tempfile.mkdtemp(prefix="lmcache-raw-block-loop-")
-    backing = Path(directory) / "backing.img"
-    with open(backing, "wb") as handle:
-        handle.truncate(2 * part)
-    devices: list[str] = []
-    try:
-        for offset in (0, part // 2):  # the second part starts inside the first
-            command = ["losetup", "--find", "--show", "--offset", str(offset), "--sizelimit", str(part)]
-            attached = subprocess.run([*command, str(backing)], capture_output=True, text=True)
-            if attached.returncode != 0:
-                pytest.skip(f"losetup could not attach a loop device: {attached.stderr.strip()}")
-            devices.append(attached.stdout.strip())
+    with loop_devices_over_parts(part, [0, part // 2]) as (backing, devices):  # the second inside the first
         first = open_raw(sized_config(devices[0]))
         try:
             assert store(first, make_keys(1), [pattern(1, 3000)]) == [True]
@@ -293,7 +287,3 @@ def test_loop_devices_over_overlapping_parts_of_one_file_are_refused_to_a_second
         finally:
             first.close()
         open_raw(sized_config(devices[1])).close()  # the first let its bytes go
-    finally:
-        for device in devices:
-            subprocess.run(["losetup", "--detach", device], check=False)
-        shutil.rmtree(directory, ignore_errors=True)
