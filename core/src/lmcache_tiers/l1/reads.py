@@ -196,8 +196,12 @@ class ReadLocks:
         # Deduplicated by object identity (a cheap hash, in C) rather than by key: one
         # READY object per key, so equal objects are exactly equal keys.
         if len(set(prefix)) == len(prefix):
-            # The caller's keys equal the objects' own: no pass to fetch those.
-            read = keys[: len(prefix)] if type(keys) is list else list(keys[: len(prefix)])
+            # The objects' own keys, not the caller's equal ones: those are the very key
+            # objects the listeners were told when the objects were written, so an eviction
+            # policy finds each in its own dict by identity.  A caller's key (decoded from
+            # a request) is only equal, and comparing two keys field by field costs more
+            # than this pass.
+            read = list(map(_KEY_OF, prefix))
             if len(prefix) == len(keys):
                 # Copies of their own: the caller may change its list, the listeners the
                 # ``read`` they are told, and the caller keeps ``prefix``.
