@@ -94,3 +94,44 @@ def test_stores_that_cannot_be_submitted_are_logged_once_per_burst(engine, monke
     lines = [record for record in caplog.records if "could not be submitted" in record.getMessage()]
     assert len(lines) == 1
     assert "the adapter is down" in lines[0].getMessage()
+
+
+def test_the_bound_on_a_slow_adapters_slices_holds_again_once_it_caught_up(engine, monkeypatch) -> None:
+    # A look that finds every waiting slice still holding an object in L1 keeps them all:
+    # more than L1's bytes of slices stay.  Once the adapter caught up and fell behind
+    # again, its slices of objects gone from L1 are dropped at twice L1's bytes, as at
+    # first -- not only past what that look kept.
+    monkeypatch.setattr(store_pacing, "INFLIGHT_BYTES", SIZE)  # one slice in flight at a time
+    l1_bytes = 1 << 20
+    storage = engine(
+        [AdapterSpec(type="gated", config=GatedConfig()), AdapterSpec(type="gated", config=GatedConfig())],
+        l1_gb=l1_bytes / (1 << 30),
+    )
+    slow = gated_backend(storage, 1)
+    per_write = 4
+    bound = 2 * l1_bytes // (per_write * SIZE)  # slices of twice L1's bytes
+    slow.store_gate.clear()
+    for prompt in range(bound + 2):  # one in flight, past the bound waiting
+        keys = keys_of(400 + prompt, per_write)
+        store(storage, keys, SIZE)
+        assert wait_for(lambda keys=keys: not any(storage.l1.get(key).unstored for key in keys))
+        if prompt:  # (the first is in flight: locked for its store)
+            assert storage.evict(keys[1:]) == per_write - 1  # its first object keeps each slice
+    assert wait_for(lambda: storage.store.pending_batches() == bound + 1)
+    slow.store_gate.set()
+    assert storage.flush(10)
+    storage.clear()
+    skipped = storage.stats.get("l2_store_skipped_gone")
+    slow.store_gate.clear()
+    writes = bound + 2
+    for prompt in range(writes):
+        keys = keys_of(500 + prompt, per_write)
+        store(storage, keys, SIZE)
+        assert wait_for(lambda keys=keys: not any(storage.l1.get(key).unstored for key in keys))
+        storage.clear()
+    assert wait_for(lambda: storage.store.pending_batches() < writes - 1), (
+        "the slices of objects gone from L1 were kept past twice L1's bytes"
+    )
+    assert storage.stats.get("l2_store_skipped_gone") > skipped
+    slow.store_gate.set()
+    assert storage.flush(10)

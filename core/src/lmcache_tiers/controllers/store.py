@@ -114,8 +114,8 @@ class StoreController(ControllerThread):
             activity, l1.capacity_bytes, lambda: stats.failures().get("evicted_before_l2_store", 0)
         )
         self._waiting_slices = 0  # len(self._pacer), readable from any thread
-        # per adapter: waiting bytes past which its slices are looked through again
-        self._prune_at: dict[int, int] = {}
+        # per adapter: its slices' bytes added (``added_bytes_of``) at its last look through them
+        self._pruned_at: dict[int, int] = {}
         self._step_in: float | None = None
         self._threads = threads  # the write-back threads' priority, raised while behind
         self._starved = False  # the threads were short of CPU; until no task is left
@@ -236,17 +236,23 @@ class StoreController(ControllerThread):
         flight: as long as it stays behind, they would pile up without end (and their
         bytes keep write-back pressed).  The objects a waiting slice still finds in L1
         take at most L1's bytes, so an adapter's slices are looked through once they hold
-        more than twice that, and again only once L1's bytes more were added: a look costs
-        no more per slice than the slices added since the last."""
+        more than twice that, and again only once L1's bytes more were added since the
+        last look: a look costs no more per slice than the slices added since the last.
+        Counted from what was added, not from what the last look kept (which may be more
+        than L1's bytes: a slice stays for one object still in L1), so that the bound is
+        twice L1's bytes again once the adapter caught up, whatever an earlier look kept."""
         capacity = self.l1.capacity_bytes
         dropped: list[Slice] = []
         for slot in self.slots:
             index = slot.index
-            if self._pacer.waiting_bytes_of(index) <= max(2 * capacity, self._prune_at.get(index, 0)):
+            added = self._pacer.added_bytes_of(index)
+            if self._pacer.waiting_bytes_of(index) <= 2 * capacity:
                 continue
+            if added - self._pruned_at.get(index, 0) <= capacity:
+                continue
+            self._pruned_at[index] = added
             with self.l1.lock:
                 dropped += self._pacer.prune(index, self._still_has_an_object)
-            self._prune_at[index] = self._pacer.waiting_bytes_of(index) + capacity
         for piece in dropped:
             # As when ``_submit`` finds them gone; why they left was counted then.
             self.stats.add("l2_store_skipped_gone", len(piece.keys))

@@ -115,6 +115,7 @@ class WriteBackPacer:
         self._inflight: dict[int, int] = {}  # adapter index -> bytes submitted, not reported
         self.waiting_bytes = 0
         self._waiting_bytes: dict[int, int] = {}  # adapter index -> bytes of its waiting slices
+        self._added_bytes: dict[int, int] = {}  # adapter index -> bytes of every slice it was given
         self.deferrals = 0  # times a slice was held back for client work (a gauge's source)
         self.pressed = False  # at the last take: L1 short of room (pressure or a recent loss)
 
@@ -126,10 +127,15 @@ class WriteBackPacer:
         self._waiting.setdefault(index, deque()).append(piece)
         self.waiting_bytes += piece.nbytes
         self._waiting_bytes[index] = self._waiting_bytes.get(index, 0) + piece.nbytes
+        self._added_bytes[index] = self._added_bytes.get(index, 0) + piece.nbytes
 
     def waiting_bytes_of(self, index: int) -> int:
         """Bytes of adapter ``index``'s waiting slices."""
         return self._waiting_bytes.get(index, 0)
+
+    def added_bytes_of(self, index: int) -> int:
+        """Bytes of all the slices ever added for adapter ``index`` (only grows)."""
+        return self._added_bytes.get(index, 0)
 
     def prune(self, index: int, keep: Callable[[Slice], bool]) -> list[Slice]:
         """Remove adapter ``index``'s waiting slices that ``keep`` rejects (order kept);
