@@ -10,6 +10,8 @@ goes on to take the next -- no assertion depends on how fast the machine is.
 
 from __future__ import annotations
 
+import threading
+
 from engine_support import GatedConfig, gated_backend, keys_of, store, wait_for
 
 from lmcache_tiers.config import AdapterSpec
@@ -134,4 +136,45 @@ def test_the_bound_on_a_slow_adapters_slices_holds_again_once_it_caught_up(engin
     )
     assert storage.stats.get("l2_store_skipped_gone") > skipped
     slow.store_gate.set()
+    assert storage.flush(10)
+
+
+def test_looking_through_a_slow_adapters_slices_leaves_l1_to_requests(engine, monkeypatch) -> None:
+    # Twice L1's bytes of slices can name a hundred thousand keys: looked through under
+    # the L1 lock, every store and lookup would wait for all of them (tens of ms).  An
+    # object that left L1 never comes back (a write makes a new one), so each key is
+    # judged on its own: another thread takes the L1 lock while a slice is looked at.
+    monkeypatch.setattr(store_pacing, "INFLIGHT_BYTES", SIZE)  # one slice in flight at a time
+    l1_bytes = 1 << 20
+    storage = engine(
+        [AdapterSpec(type="gated", config=GatedConfig()), AdapterSpec(type="gated", config=GatedConfig())],
+        l1_gb=l1_bytes / (1 << 30),
+    )
+    lock_was_free: list[bool] = []
+    judge = storage.store._still_has_an_object
+
+    def judged_with_the_l1_lock_probed(piece: store_pacing.Slice) -> bool:
+        def probe() -> None:
+            taken = storage.l1.lock.acquire(blocking=False)
+            lock_was_free.append(taken)
+            if taken:
+                storage.l1.lock.release()
+
+        prober = threading.Thread(target=probe)
+        prober.start()
+        prober.join()
+        return judge(piece)
+
+    monkeypatch.setattr(storage.store, "_still_has_an_object", judged_with_the_l1_lock_probed)
+    gated_backend(storage, 1).store_gate.clear()
+    per_write = 4
+    writes = 2 * l1_bytes // (per_write * SIZE) + 2  # one in flight, past twice L1's bytes waiting
+    for prompt in range(writes):
+        keys = keys_of(600 + prompt, per_write)
+        store(storage, keys, SIZE)
+        assert wait_for(lambda keys=keys: not any(storage.l1.get(key).unstored for key in keys))
+        storage.clear()
+    assert wait_for(lambda: storage.store.pending_batches() < writes - 1)
+    assert lock_was_free and all(lock_was_free), "the L1 lock was held across the look"
+    gated_backend(storage, 1).store_gate.set()
     assert storage.flush(10)

@@ -251,8 +251,11 @@ class StoreController(ControllerThread):
             if added - self._pruned_at.get(index, 0) <= capacity:
                 continue
             self._pruned_at[index] = added
-            with self.l1.lock:
-                dropped += self._pacer.prune(index, self._still_has_an_object)
+            # Not under the L1 lock: twice L1's bytes of slices can name a hundred thousand
+            # keys, tens of ms every store and lookup would wait.  Each key is judged alone
+            # (``_still_has_an_object``), which is enough: an object that left L1 never
+            # comes back, so a slice found with none left has none for good.
+            dropped += self._pacer.prune(index, self._still_has_an_object)
         for piece in dropped:
             # As when ``_submit`` finds them gone; why they left was counted then.
             self.stats.add("l2_store_skipped_gone", len(piece.keys))
@@ -261,7 +264,7 @@ class StoreController(ControllerThread):
             logger.debug("dropped %d waiting store slices whose objects all left L1", len(dropped))
 
     def _still_has_an_object(self, piece: Slice) -> bool:
-        """Whether L1 still holds one of ``piece``'s objects (L1 lock held)."""
+        """Whether L1 still holds one of ``piece``'s objects (each looked up on its own)."""
         get, objects = self.l1.get, piece.batch.objects
         return any(get(key) is objects[key] for key in piece.keys)
 
