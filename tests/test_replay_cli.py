@@ -302,6 +302,18 @@ def test_a_closed_stdout_is_refused_before_the_work(tmp_path: Path) -> None:
     assert _error_line(result).startswith("error: stdout is closed, and the report is written there")
 
 
+def test_a_stdout_open_for_reading_only_is_refused_before_the_work(tmp_path: Path) -> None:
+    """With stdout open for reading only (``1<&0``), the replay did all its work and then
+    failed writing the report."""
+    from thirdparty import CLI
+
+    args = ["replay", str(small_trace(tmp_path / "t.jsonl")), "--simulate", "--capacity", "8", "--json"]
+    with open(os.devnull) as read_only:
+        result = subprocess.run(CLI + args, stdout=read_only, stderr=subprocess.PIPE, text=True)
+    assert result.returncode == 2, result.stderr
+    assert _error_line(result).startswith("error: stdout is open for reading only, and the report is written")
+
+
 @pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])
 def test_a_report_that_cannot_be_written_is_one_line_and_exit_1(tmp_path: Path, as_json: bool) -> None:
     """stdout on a full disk ended the run in a traceback once the work was done."""
