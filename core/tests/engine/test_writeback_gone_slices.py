@@ -108,6 +108,7 @@ def test_the_bound_on_a_slow_adapters_slices_holds_again_once_it_caught_up(engin
     storage = engine(
         [AdapterSpec(type="gated", config=GatedConfig()), AdapterSpec(type="gated", config=GatedConfig())],
         l1_gb=l1_bytes / (1 << 30),
+        eviction_trigger_watermark=1.0,  # the objects kept for the look stay: only the test evicts
     )
     slow = gated_backend(storage, 1)
     per_write = 4
