@@ -114,6 +114,12 @@ def measure_reap(locked: int, expired: int, repeats: int) -> dict[str, float]:
     return {"reap_idle_s": statistics.median(idle), "reap_due_s": statistics.median(reaping)}
 
 
+def reap_counts(text: str) -> list[int]:
+    """An argparse ``type`` for ``--reap-locked``: checked with the other flags, since a
+    malformed count failed as a traceback only once every shape had been measured."""
+    return [at_least_one(part.strip()) for part in text.split(",") if part.strip()]
+
+
 class LeaseShape(NamedTuple):
     """Objects per retrieve and their size in KiB; shown as given (``64x1024``)."""
 
@@ -141,8 +147,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=at_least_one, default=20)
     parser.add_argument(
         "--reap-locked",
+        type=reap_counts,
         default="10000,100000",
-        help="read-locked counts for the reap, comma-separated",
+        help="read-locked counts for the reap, comma-separated ('' for no reap pass)",
     )
     parser.add_argument(
         "--reap-expired", type=at_least_one, default=100, help="of them, locks due at the reap"
@@ -162,7 +169,7 @@ def main() -> None:
             f"{copy_us:.0f} us ({count * kib * KIB / figures['copy_s'] / 1e9:.2f} GB/s): "
             f"{(figures['client_check_s'] + figures['server_read_s']) / figures['copy_s']:.2%} of it"
         )
-    for locked in (int(count) for count in args.reap_locked.split(",") if count):
+    for locked in args.reap_locked:
         figures = measure_reap(locked, args.reap_expired, max(3, args.repeats // 4))
         results.append({"reap_locked": locked, "reap_expired": args.reap_expired, **figures})
         if not args.json:

@@ -45,6 +45,8 @@ def run_script(name: str, *args: str, timeout: float = 120) -> subprocess.Comple
         ("bench_leases.py", ["--shapes", "64"], "shape '64' is not COUNTxKIB"),
         ("bench_leases.py", ["--shapes", "0x4"], "count and KiB must both be >= 1"),
         ("bench_leases.py", ["--repeats", "0"], "0 is not >= 1"),
+        ("bench_leases.py", ["--reap-locked", "1000,abc"], "'abc' is not a whole number"),
+        ("bench_leases.py", ["--reap-locked", "0"], "0 is not >= 1"),
         ("bench_record_decode.py", ["--count", "0"], "0 is not >= 1"),
     ],
 )
