@@ -21,9 +21,9 @@ adapter's worker queue, so what is handed to an adapter stays small:
   a flush waits for L2 (``flush`` wants it done, not polite);
 * what waits for one adapter is bounded: once its slices hold more than twice L1's bytes,
   those whose objects all left L1 (stored by the other adapters and evicted since, or
-  cleared) are dropped by the store controller and counted (``l2_store_skipped_gone``) --
-  an adapter slower than the writes would otherwise gather them for as long as it stays
-  behind.
+  cleared) are dropped by the store controller and counted (``l2_store_skipped_gone``),
+  looked for again once L1's bytes more were added -- an adapter slower than the writes
+  would otherwise gather them for as long as it stays behind.
 
 Under sustained load the deadline makes write-back run alongside requests, as it did
 before pacing; bursts shorter than the deadline run with write-back out of the way.
