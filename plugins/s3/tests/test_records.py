@@ -8,7 +8,7 @@ import gc
 import time
 import tracemalloc
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from flipping_relay import FlippingRelay
@@ -70,6 +70,77 @@ def fenced(l1: memoryview, size: int) -> tuple[memoryview, memoryview]:
 def canaries_intact(region: memoryview, size: int) -> bool:
     outside = bytes(region[:4096]) + bytes(region[4096 + size :])
     return outside == bytes([CANARY]) * len(outside)
+
+
+def s3_backend(adapter: L2Adapter) -> S3Backend:
+    backend = adapter.backend.inner  # type: ignore[attr-defined]  # behind core's circuit breaker
+    assert isinstance(backend, S3Backend)
+    return backend
+
+
+def stored_then_damaged(adapter: L2Adapter, raw: Raw, l1: memoryview, key: ObjectKey) -> tuple[bytes, bytes]:
+    """``key`` stored, then its object's last payload byte flipped in the bucket: the
+    payload stored and the intact record."""
+    (data,) = store(adapter, l1, [key])
+    good = raw.read(key)
+    damaged = bytearray(good)
+    damaged[-1] ^= 0xFF
+    raw.write(key, bytes(damaged))
+    return data, good
+
+
+def written_before(
+    monkeypatch: pytest.MonkeyPatch,
+    adapter: L2Adapter,
+    method: str,
+    picks: Callable[[str, dict[str, object]], bool],
+    write: Callable[[], None],
+) -> None:
+    """Another server's ``write`` into the bucket, once, just before the adapter's first
+    ``client.<method>`` request that ``picks`` (its S3 operation and arguments)."""
+    client = s3_backend(adapter).client
+    send = getattr(client, method)
+    pending = [write]
+
+    async def another_server_writes_first(operation: str, **kwargs: object) -> object:
+        if pending and picks(operation, kwargs):
+            pending.pop()()
+        return await send(operation, **kwargs)
+
+    monkeypatch.setattr(client, method, another_server_writes_first)
+
+
+def damaged_load_keeps_the_new_record(
+    adapter: L2Adapter,
+    raw: Raw,
+    l1: memoryview,
+    monkeypatch: pytest.MonkeyPatch,
+    key: ObjectKey,
+    data: bytes,
+    good: bytes,
+) -> dict[str, int]:
+    """A load of ``key`` that reads the damaged object is a miss, and ``good`` -- the record
+    another server wrote meanwhile (see :func:`written_before`) -- is kept and loads once
+    that writer is gone.  The adapter's stats after the miss."""
+    result = blocking(adapter).lookup_and_lock([key])
+    buffer, _region = fenced(l1, result.sizes[0])
+    assert blocking(adapter).load([key], [buffer]) == [False]  # the damaged one was read
+    adapter.unlock([key])
+    assert raw.exists(key) and raw.read(key) == good, "the record stored since was removed"
+    stats = adapter.stats()
+    monkeypatch.undo()
+    result = blocking(adapter).lookup_and_lock([key])
+    assert blocking(adapter).load([key], [buffer]) == [True] and bytes(buffer) == data
+    adapter.unlock([key])
+    return stats
+
+
+def _second_read(operation: str, kwargs: dict[str, object]) -> bool:
+    return operation == "get_object" and "IfMatch" in kwargs
+
+
+def _removal(operation: str, _kwargs: dict[str, object]) -> bool:
+    return operation == "delete_object"
 
 
 def test_a_garbage_object_is_a_miss_and_is_removed(adapter: L2Adapter, raw: Raw) -> None:
@@ -151,8 +222,7 @@ def test_a_load_read_again_for_damage_no_longer_holds_the_first_reads_payload(
         data = store(adapter, l1, [key], size=size)
         result = blocking(adapter).lookup_and_lock([key])
         buffer, _region = fenced(l1, result.sizes[0])
-        backend = adapter.backend.inner  # type: ignore[attr-defined]  # behind core's circuit breaker
-        assert isinstance(backend, S3Backend)
+        backend = s3_backend(adapter)
         request = backend.client.request
         held_at_second_read: list[int] = []
 
@@ -214,16 +284,8 @@ def test_a_lookup_whose_damaged_object_is_replaced_before_its_second_read_fails(
     damaged = bytearray(good)
     damaged[100] ^= 0xFF  # inside the header: its crc fails
     raw.write(key, bytes(damaged))  # no metadata: the lookup reads the record's header
-    backend = adapter.backend.inner  # type: ignore[attr-defined]  # behind core's circuit breaker
-    assert isinstance(backend, S3Backend)
-    request = backend.client.request
-
-    async def another_server_stores_first(method: str, **kwargs: object) -> object:
-        if method == "get_object" and "IfMatch" in kwargs:
-            raw.write(key, good)  # the good record, between the two reads
-        return await request(method, **kwargs)
-
-    monkeypatch.setattr(backend.client, "request", another_server_stores_first)
+    # the good record, between the two reads
+    written_before(monkeypatch, adapter, "request", _second_read, lambda: raw.write(key, good))
     assert blocking(adapter).lookup_and_lock([key]).found == [False]
     assert raw.exists(key) and raw.read(key) == good, "the record stored since was removed"
     stats = adapter.stats()
@@ -239,32 +301,11 @@ def test_a_damaged_record_replaced_before_its_second_read_is_kept(
     adapter: L2Adapter, raw: Raw, l1: memoryview, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (key,) = make_keys(1)
-    data = store(adapter, l1, [key])
-    good = raw.read(key)
-    damaged = bytearray(good)
-    damaged[-1] ^= 0xFF
-    raw.write(key, bytes(damaged))
-    backend = adapter.backend.inner  # type: ignore[attr-defined]  # behind core's circuit breaker
-    assert isinstance(backend, S3Backend)
-    request = backend.client.request
-
-    async def another_server_stores_first(method: str, **kwargs: object) -> object:
-        if method == "get_object" and "IfMatch" in kwargs:
-            raw.write(key, good)  # the good record again, between the two reads
-        return await request(method, **kwargs)
-
-    monkeypatch.setattr(backend.client, "request", another_server_stores_first)
-    result = blocking(adapter).lookup_and_lock([key])
-    buffer, _region = fenced(l1, result.sizes[0])
-    assert blocking(adapter).load([key], [buffer]) == [False]  # the damaged one was read
-    adapter.unlock([key])
-    assert raw.exists(key) and raw.read(key) == good, "the record stored since was removed"
-    stats = adapter.stats()
+    data, good = stored_then_damaged(adapter, raw, l1, key)
+    # the good record again, between the two reads
+    written_before(monkeypatch, adapter, "request", _second_read, lambda: raw.write(key, good))
+    stats = damaged_load_keeps_the_new_record(adapter, raw, l1, monkeypatch, key, data, good)
     assert stats["replaced_before_reread"] == 1 and stats.get("corrupt_records_removed", 0) == 0
-    monkeypatch.undo()
-    result = blocking(adapter).lookup_and_lock([key])
-    assert blocking(adapter).load([key], [buffer]) == [True] and bytes(buffer) == data[0]
-    adapter.unlock([key])
 
 
 def test_a_record_replaced_by_a_longer_one_is_never_copied_past_the_buffer(
@@ -451,32 +492,11 @@ def test_a_damaged_record_replaced_before_its_removal_is_kept(
     adapter: L2Adapter, raw: Raw, l1: memoryview, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (key,) = make_keys(1)
-    data = store(adapter, l1, [key])
-    good = raw.read(key)
-    damaged = bytearray(good)
-    damaged[-1] ^= 0xFF
-    raw.write(key, bytes(damaged))
-    backend = adapter.backend.inner  # type: ignore[attr-defined]  # behind core's circuit breaker
-    assert isinstance(backend, S3Backend)
-    call = backend.client.call
-
-    async def another_server_stores_first(method: str, **kwargs: object) -> object:
-        if method == "delete_object":
-            raw.write(key, good)  # the good record again, between the read and the removal
-        return await call(method, **kwargs)
-
-    monkeypatch.setattr(backend.client, "call", another_server_stores_first)
-    result = blocking(adapter).lookup_and_lock([key])
-    buffer, _region = fenced(l1, result.sizes[0])
-    assert blocking(adapter).load([key], [buffer]) == [False]  # the damaged one was read
-    adapter.unlock([key])
-    assert raw.exists(key) and raw.read(key) == good, "the record stored since was removed"
-    stats = adapter.stats()
+    data, good = stored_then_damaged(adapter, raw, l1, key)
+    # the good record again, between the read and the removal
+    written_before(monkeypatch, adapter, "call", _removal, lambda: raw.write(key, good))
+    stats = damaged_load_keeps_the_new_record(adapter, raw, l1, monkeypatch, key, data, good)
     assert stats["corrupt_records_removed"] == 1 and stats["corrupt_replaced_before_removal"] == 1
-    monkeypatch.undo()
-    result = blocking(adapter).lookup_and_lock([key])
-    assert blocking(adapter).load([key], [buffer]) == [True] and bytes(buffer) == data[0]
-    adapter.unlock([key])
 
 
 def test_an_empty_object_replaced_before_its_removal_is_kept(
@@ -488,16 +508,8 @@ def test_an_empty_object_replaced_before_its_removal_is_kept(
     data = store(adapter, l1, [key])
     good = raw.read(key)
     raw.write(key, b"")
-    backend = adapter.backend.inner  # type: ignore[attr-defined]  # behind core's circuit breaker
-    assert isinstance(backend, S3Backend)
-    call = backend.client.call
-
-    async def another_server_stores_first(method: str, **kwargs: object) -> object:
-        if method == "delete_object":
-            raw.write(key, good)  # the good record again, between the lookup and the removal
-        return await call(method, **kwargs)
-
-    monkeypatch.setattr(backend.client, "call", another_server_stores_first)
+    # the good record again, between the lookup and the removal
+    written_before(monkeypatch, adapter, "call", _removal, lambda: raw.write(key, good))
     assert blocking(adapter).lookup_and_lock([key]).found == [False]  # the empty one was judged
     assert raw.exists(key) and raw.read(key) == good, "the record stored since was removed"
     stats = adapter.stats()
