@@ -132,6 +132,19 @@ def test_generated_code_imports_only_the_public_plugin_api(generated: tuple[Path
                 assert line.startswith("from lmcache_tiers.plugin import "), f"{source}: {line}"
 
 
+def test_generated_code_passes_mypy_strict(generated: tuple[Path, Path]) -> None:
+    """The packages ship py.typed, so their authors' type checks read them: the l2
+    skeleton's get_many_into handed copy_into a ``bytes | None`` (a bool held in a variable
+    narrowed nothing), and a freshly written plugin failed ``mypy --strict``."""
+    root, _site = generated
+    sources = [str(root / f"gen-{kind}" / "src") for kind in KINDS]
+    # In the packages' directory: the repository's own mypy settings are not theirs.
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", *sources], cwd=root, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_a_generated_package_installs_without_warnings(tmp_path: Path) -> None:
     assert run_cli(["plugins", "new", "quiet-one", "--kind", "l2", "--dir", str(tmp_path)]).returncode == 0
     pip = [sys.executable, "-m", "pip", "install", "-v", "--no-deps", "--no-build-isolation"]
