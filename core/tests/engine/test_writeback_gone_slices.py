@@ -11,13 +11,45 @@ goes on to take the next -- no assertion depends on how fast the machine is.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
+import pytest
 from engine_support import GatedConfig, gated_backend, keys_of, store, wait_for
 
 from lmcache_tiers.config import AdapterSpec
 from lmcache_tiers.controllers import store_pacing
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.storage import StorageManager
 
 SIZE = 32 * 1024
+L1_BYTES = 1 << 20
+PER_WRITE = 4  # objects of one write: one slice
+BOUND = 2 * L1_BYTES // (PER_WRITE * SIZE)  # slices of twice L1's bytes
+
+
+def behind_a_slow_adapter(
+    engine: Callable[..., StorageManager], monkeypatch: pytest.MonkeyPatch, **settings: Any
+) -> StorageManager:
+    """A small L1 and two adapters (the default policy sends every key to both), the
+    second parked: its slices wait, one in flight at a time."""
+    monkeypatch.setattr(store_pacing, "INFLIGHT_BYTES", SIZE)
+    storage = engine(
+        [AdapterSpec(type="gated", config=GatedConfig()), AdapterSpec(type="gated", config=GatedConfig())],
+        l1_gb=L1_BYTES / (1 << 30),
+        **settings,
+    )
+    gated_backend(storage, 1).store_gate.clear()
+    return storage
+
+
+def write_stored_by_the_first(storage: StorageManager, prompt: int) -> list[ObjectKey]:
+    """A write of ``PER_WRITE`` objects, once the first adapter stored it (settled in L1:
+    a clear or an eviction of it loses nothing)."""
+    keys = keys_of(prompt, PER_WRITE)
+    store(storage, keys, SIZE)
+    assert wait_for(lambda: not any(storage.l1.get(key).unstored for key in keys))
+    return keys
 
 
 def test_a_write_queued_behind_slices_of_cleared_objects_is_stored(engine, monkeypatch) -> None:
@@ -51,27 +83,15 @@ def test_slices_for_a_slow_adapter_whose_objects_left_l1_do_not_pile_up(engine, 
     # takes nothing (its store is parked); the first stores each write, which L1 then
     # drops.  The second's waiting slices name objects no tier will ever store from L1,
     # and writes would queue them for as long as it stays slower than the writes.
-    monkeypatch.setattr(store_pacing, "INFLIGHT_BYTES", SIZE)  # one slice in flight at a time
-    l1_bytes = 1 << 20
-    storage = engine(
-        [AdapterSpec(type="gated", config=GatedConfig()), AdapterSpec(type="gated", config=GatedConfig())],
-        l1_gb=l1_bytes / (1 << 30),
-    )
-    gated_backend(storage, 1).store_gate.clear()
-    per_write = 4
-    writes = 3 * l1_bytes // (per_write * SIZE)  # three times what L1 holds
+    storage = behind_a_slow_adapter(engine, monkeypatch)
+    writes = 3 * L1_BYTES // (PER_WRITE * SIZE)  # three times what L1 holds
     for prompt in range(writes):
-        keys = keys_of(100 + prompt, per_write)
-        store(storage, keys, SIZE)
-        # Stored in the first adapter (settled in L1): the clear loses nothing.
-        assert wait_for(lambda keys=keys: not any(storage.l1.get(key).unstored for key in keys))
+        write_stored_by_the_first(storage, 100 + prompt)
         storage.clear()
     assert wait_for(lambda: storage.store.pending_batches() < writes - 1)
     # Slices holding at most twice L1's bytes wait; the rest named objects gone from L1.
-    assert storage.store.pending_batches() <= 2 * l1_bytes // (per_write * SIZE)
-    assert storage.stats.get("l2_store_skipped_gone") >= per_write * (
-        writes - 1 - 2 * l1_bytes // (per_write * SIZE)
-    )
+    assert storage.store.pending_batches() <= BOUND
+    assert storage.stats.get("l2_store_skipped_gone") >= PER_WRITE * (writes - 1 - BOUND)
     assert "l1_cleared_before_l2_store" not in storage.stats.failures()
     gated_backend(storage, 1).store_gate.set()
     assert storage.flush(10)
@@ -103,34 +123,22 @@ def test_the_bound_on_a_slow_adapters_slices_holds_again_once_it_caught_up(engin
     # more than L1's bytes of slices stay.  Once the adapter caught up and fell behind
     # again, its slices of objects gone from L1 are dropped at twice L1's bytes, as at
     # first -- not only past what that look kept.
-    monkeypatch.setattr(store_pacing, "INFLIGHT_BYTES", SIZE)  # one slice in flight at a time
-    l1_bytes = 1 << 20
-    storage = engine(
-        [AdapterSpec(type="gated", config=GatedConfig()), AdapterSpec(type="gated", config=GatedConfig())],
-        l1_gb=l1_bytes / (1 << 30),
-        eviction_trigger_watermark=1.0,  # the objects kept for the look stay: only the test evicts
-    )
+    # The objects kept for the look stay (no eviction at a watermark): only the test evicts.
+    storage = behind_a_slow_adapter(engine, monkeypatch, eviction_trigger_watermark=1.0)
     slow = gated_backend(storage, 1)
-    per_write = 4
-    bound = 2 * l1_bytes // (per_write * SIZE)  # slices of twice L1's bytes
-    slow.store_gate.clear()
-    for prompt in range(bound + 2):  # one in flight, past the bound waiting
-        keys = keys_of(400 + prompt, per_write)
-        store(storage, keys, SIZE)
-        assert wait_for(lambda keys=keys: not any(storage.l1.get(key).unstored for key in keys))
+    for prompt in range(BOUND + 2):  # one in flight, past the bound waiting
+        keys = write_stored_by_the_first(storage, 400 + prompt)
         if prompt:  # (the first is in flight: locked for its store)
-            assert storage.evict(keys[1:]) == per_write - 1  # its first object keeps each slice
-    assert wait_for(lambda: storage.store.pending_batches() == bound + 1)
+            assert storage.evict(keys[1:]) == PER_WRITE - 1  # its first object keeps each slice
+    assert wait_for(lambda: storage.store.pending_batches() == BOUND + 1)
     slow.store_gate.set()
     assert storage.flush(10)
     storage.clear()
     skipped = storage.stats.get("l2_store_skipped_gone")
     slow.store_gate.clear()
-    writes = bound + 2
+    writes = BOUND + 2
     for prompt in range(writes):
-        keys = keys_of(500 + prompt, per_write)
-        store(storage, keys, SIZE)
-        assert wait_for(lambda keys=keys: not any(storage.l1.get(key).unstored for key in keys))
+        write_stored_by_the_first(storage, 500 + prompt)
         storage.clear()
     assert wait_for(lambda: storage.store.pending_batches() < writes - 1), (
         "the slices of objects gone from L1 were kept past twice L1's bytes"
@@ -145,12 +153,7 @@ def test_looking_through_a_slow_adapters_slices_leaves_l1_to_requests(engine, mo
     # the L1 lock, every store and lookup would wait for all of them (tens of ms).  An
     # object that left L1 never comes back (a write makes a new one), so each key is
     # judged on its own: another thread takes the L1 lock while a slice is looked at.
-    monkeypatch.setattr(store_pacing, "INFLIGHT_BYTES", SIZE)  # one slice in flight at a time
-    l1_bytes = 1 << 20
-    storage = engine(
-        [AdapterSpec(type="gated", config=GatedConfig()), AdapterSpec(type="gated", config=GatedConfig())],
-        l1_gb=l1_bytes / (1 << 30),
-    )
+    storage = behind_a_slow_adapter(engine, monkeypatch)
     lock_was_free: list[bool] = []
     judge = storage.store._still_has_an_object
 
@@ -167,13 +170,9 @@ def test_looking_through_a_slow_adapters_slices_leaves_l1_to_requests(engine, mo
         return judge(piece)
 
     monkeypatch.setattr(storage.store, "_still_has_an_object", judged_with_the_l1_lock_probed)
-    gated_backend(storage, 1).store_gate.clear()
-    per_write = 4
-    writes = 2 * l1_bytes // (per_write * SIZE) + 2  # one in flight, past twice L1's bytes waiting
+    writes = BOUND + 2  # one in flight, past twice L1's bytes waiting
     for prompt in range(writes):
-        keys = keys_of(600 + prompt, per_write)
-        store(storage, keys, SIZE)
-        assert wait_for(lambda keys=keys: not any(storage.l1.get(key).unstored for key in keys))
+        write_stored_by_the_first(storage, 600 + prompt)
         storage.clear()
     assert wait_for(lambda: storage.store.pending_batches() < writes - 1)
     assert lock_was_free and all(lock_was_free), "the L1 lock was held across the look"
