@@ -106,6 +106,18 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     assert b"<svg" in svg.read_bytes()[:400]
 
 
+def test_plot_under_the_longest_file_name_is_written(tmp_path: Path) -> None:
+    """The image is drawn into a partial file beside it whose name held the whole --plot
+    name: one near the file system's 255-byte limit was refused ('File name too long')."""
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / ("c" * 251 + ".png")
+    trace = str(small_trace(tmp_path / "t.jsonl"))
+    result = run_cli(["replay", trace, "--simulate", "--capacity", "8", "--plot", str(plot), "--json"])
+    assert result.returncode == 0, result.stderr
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(tmp_path.iterdir()) == sorted([plot, tmp_path / "t.jsonl"])
+
+
 def test_in_process_replay_reports_json(tmp_path: Path) -> None:
     trace = str(small_trace(tmp_path / "t.jsonl"))
     args = ["replay", trace, "--in-process", "--l1-blocks", "20", "--block-bytes", str(BLOCK_BYTES), "--json"]

@@ -18,13 +18,21 @@ PLOT_FORMATS = ("png", "svg", "pdf")
 _NO_MATPLOTLIB = "--plot needs matplotlib, which is not installed: pip install 'lmcache-tiers[plot]'"
 
 
+#: characters of the --plot file's name that name the partial file beside it (at most 128
+#: bytes in UTF-8, well within any file system's limit with the rest of that name)
+_NAME_HEAD = 32
+
+
 def _new_file_beside(path: str | Path) -> str:
     """A new, empty file in the directory of ``path``, with the mode a plain ``open`` would
     give it (the umask's): the plot is drawn there and then renamed over ``path``, so that a
     signal or a full disk mid-write leaves no half-written image behind."""
     directory, name = os.path.split(os.path.abspath(path))
     extension = os.path.splitext(name)[1]
-    fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=f".partial{extension}", dir=directory)
+    # The head of the name only: the whole of a long one (up to the file system's 255 bytes)
+    # plus what marks the file as partial is a name too long, refusing a valid --plot.
+    stem = name[:_NAME_HEAD]
+    fd, temporary = tempfile.mkstemp(prefix=f".{stem}.", suffix=f".partial{extension}", dir=directory)
     try:
         umask = os.umask(0o022)
         os.umask(umask)
