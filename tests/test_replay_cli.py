@@ -82,7 +82,9 @@ def test_a_bad_capacity_is_one_line_and_exit_2(tmp_path: Path, capacity: str) ->
         (["--simulate", "--policy", "LRUU"], "did you mean 'LRU'"),
         (["--simulate", "--capacity", "10,20", "--l2-capacity", "5"], "one --l2-capacity per --capacity"),
         (["--in-process", "--l1-blocks", "10", "--l1-size-gb", "1"], "not both"),
-        (["--in-process", "--model", "a@b"], "model_name"),
+        # the flag, not the key's field (model_name, cache_salt), which the user never typed
+        (["--in-process", "--model", "a@b"], "error: --model: model_name 'a@b' contains"),
+        (["--url", "tcp://127.0.0.1:9", "--salt", "a/b"], "error: --salt: cache_salt 'a/b' contains"),
         (["--simulate", "--capacity", "100B"], "holds nothing"),
         (["--simulate", "--foresight", "soon"], "foresight horizon"),
         (["--simulate", "--retime-bandwidth", "5"], "needs --retime"),

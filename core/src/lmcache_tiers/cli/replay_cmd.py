@@ -367,13 +367,20 @@ def _analysis_options(foresight: list[str] | None, seed: int | None, bandwidth: 
 
 
 def _options(block_bytes: int, time_scale: float, timeout: float, model: str, salt: str) -> Any:
+    from lmcache_tiers.errors import KeyValidationError
     from lmcache_tiers.replay.run import ReplayOptions
     from lmcache_tiers.replay.trace import KeySpace
 
     options = ReplayOptions(
         block_bytes=block_bytes, time_scale=time_scale, timeout_s=timeout, model=model, salt=salt
     )
-    KeySpace(options.model, options.salt)  # a bad model name or salt fails here, as one line
+    # A bad model name or salt fails here, as one line naming the flag (the key's field
+    # names, model_name and cache_salt, are not what the user typed).
+    for flag, names in (("--model", (model, REPLAY_SALT)), ("--salt", (REPLAY_MODEL, salt))):
+        try:
+            KeySpace(*names)
+        except KeyValidationError as exc:
+            raise ConfigError(f"{flag}: {exc}") from None
     return options
 
 
