@@ -72,25 +72,36 @@ class ARCEvictionPolicy:
         self._back_frequent = StampedKeys()
         self._next_stamp = 0
 
-    def _recent_size(self) -> int:
-        return len(self._recent) + len(self._back_recent) + len(self._aside_recent)
+    # Every write that evicts reads the sizes and this check several times, under the L1
+    # lock: the paths it takes (``on_keys_written``, ``_trim_ghosts``, ``victims``) read
+    # the lengths themselves, as a call costs more than the reads (``live``: the keys put
+    # back, without a call to ``StampedKeys.__len__``).
 
-    def _frequent_size(self) -> int:
-        return len(self._frequent) + len(self._back_frequent) + len(self._aside_frequent)
+    def _sizes(self) -> tuple[int, int]:
+        """The live keys of T1 and of T2, those set aside or put back included."""
+        return (
+            len(self._recent) + len(self._back_recent.live) + len(self._aside_recent),
+            len(self._frequent) + len(self._back_frequent.live) + len(self._aside_frequent),
+        )
 
     def _capacity(self) -> int:
-        return max(1, self._recent_size() + self._frequent_size())
+        return max(1, sum(self._sizes()))
 
     def _out_of_lists(self) -> bool:
         """Whether any key is set aside or put back (out of ``_recent``/``_frequent``)."""
-        return bool(self._aside_recent or self._aside_frequent or self._back_recent or self._back_frequent)
+        return bool(
+            self._aside_recent or self._aside_frequent or self._back_recent.live or self._back_frequent.live
+        )
 
     # A batch is a prefix (chunk 0 first); handling it back to front leaves the tail older
     # than the head in whichever list it lands, so eviction trims prefixes from their end.
 
     def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
         recent, frequent = self._recent, self._frequent
-        out_of_lists = self._out_of_lists()
+        # ``_out_of_lists()`` (read, not called: see above)
+        out_of_lists = bool(
+            self._aside_recent or self._aside_frequent or self._back_recent.live or self._back_frequent.live
+        )
         for key in reversed(keys):
             if key in recent:
                 del recent[key]
@@ -131,7 +142,6 @@ class ARCEvictionPolicy:
 
     def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
         offered = self._offered
-        out_of_lists = self._out_of_lists()
         for key in keys:
             evicted = key in offered
             if key in self._recent:
@@ -142,7 +152,7 @@ class ARCEvictionPolicy:
                 del self._frequent[key]
                 if evicted:
                     self._frequent_ghosts[key] = None
-            elif out_of_lists:
+            elif self._out_of_lists():
                 was = self._take_out(key)  # set aside (no walk offered it: no ghost) or put back
                 if evicted and was == "recent":
                     self._recent_ghosts[key] = None
@@ -153,13 +163,15 @@ class ARCEvictionPolicy:
 
     def _trim_ghosts(self) -> None:
         # ARC's bounds: |recent| + |recent ghosts| <= c and all four lists <= 2c.
-        capacity = self._capacity()
-        self._target = min(self._target, float(capacity))
+        recent_size = len(self._recent) + len(self._back_recent.live) + len(self._aside_recent)
+        live = recent_size + len(self._frequent) + len(self._back_frequent.live) + len(self._aside_frequent)
+        capacity = live or 1
+        if self._target > capacity:
+            self._target = float(capacity)
         recent_ghosts, frequent_ghosts = self._recent_ghosts, self._frequent_ghosts
-        recent_size = self._recent_size()
         while recent_ghosts and recent_size + len(recent_ghosts) > capacity:
             recent_ghosts.popitem(last=False)
-        total = recent_size + self._frequent_size() + len(recent_ghosts)
+        total = live + len(recent_ghosts)
         while frequent_ghosts and total + len(frequent_ghosts) > 2 * capacity:
             frequent_ghosts.popitem(last=False)
         while recent_ghosts and total + len(frequent_ghosts) > 2 * capacity:
@@ -232,43 +244,48 @@ class ARCEvictionPolicy:
 
     def victims(self) -> Iterator[ObjectKey]:
         # Each victim makes room for one key that will enter `recent`: victims come from
-        # `frequent` while `recent` plus them is within the target, then all of `recent`,
-        # then the rest of `frequent`.  Keys set aside count in the sizes and positions.
+        # `frequent` while `recent` plus them stays within the target (all of `frequent`
+        # when `recent` is empty), then all of `recent`, then the rest of `frequent`.  Keys
+        # set aside count in the sizes and positions.
         offered = self._offered
         offered.clear()
-        self._back_recent.tidy()
-        self._back_frequent.tidy()
-        recent_size = self._recent_size()
-        if recent_size:
-            frequent_first = max(0, math.floor(self._target - recent_size) + 1)
-        else:
-            frequent_first = self._frequent_size()
-        from_frequent = self._frequent_in_order()
+        recent, frequent = self._recent, self._frequent
+        back_recent, back_frequent = self._back_recent, self._back_frequent
+        recent_size = len(recent) + len(back_recent.live) + len(self._aside_recent)
+        room = self._target - recent_size if recent_size else math.inf
+        # A key of T2 is preceded there by the keys set aside before it was put back, and
+        # by all of them if it was not put back.
+        stamps = self._aside_frequent_stamps
+        aside_before_others = len(stamps)
+        put_back = back_frequent.live
         held_back = None
-        for taken, (key, aside_before) in enumerate(from_frequent):
-            if taken + aside_before >= frequent_first:
+        from_frequent = _in_order(back_frequent, frequent)
+        for taken, key in enumerate(from_frequent):
+            entry = put_back.get(key) if put_back else None
+            aside_before = aside_before_others if entry is None else bisect.bisect_left(stamps, entry[0])
+            if taken + aside_before > room:
                 held_back = key
                 break
             offered.add(key)
             yield key
-        for key in chain(self._back_recent.keys(), self._recent):
+        for key in _in_order(back_recent, recent):
             offered.add(key)
             yield key
         if held_back is not None:
             offered.add(held_back)
             yield held_back
-        for key, _ in from_frequent:
+        for key in from_frequent:
             offered.add(key)
             yield key
 
-    def _frequent_in_order(self) -> Iterator[tuple[ObjectKey, int]]:
-        """T2's keys in ARC's order, each with how many keys set aside precede it there:
-        those set aside before a key put back was, and all of them before the others."""
-        stamps = self._aside_frequent_stamps
-        for stamp, key in self._back_frequent.entries():
-            yield key, bisect.bisect_left(stamps, stamp)
-        for key in self._frequent:
-            yield key, len(stamps)
-
     def __len__(self) -> int:
-        return self._recent_size() + self._frequent_size()
+        return sum(self._sizes())
+
+
+def _in_order(back: StampedKeys, keys: OrderedDict[ObjectKey, None]) -> Iterator[ObjectKey]:
+    """A list's keys in ARC's order: those put back, then the others.  With none put back
+    (nothing locked, the common case) the list itself, with no merge of runs."""
+    if not back.stored():
+        return iter(keys)
+    back.tidy()
+    return chain(back.keys(), keys)
