@@ -628,6 +628,53 @@ def test_a_damaged_record_replaced_after_it_was_read_is_not_removed(
     adapter.unlock([key])
 
 
+class _ReadsCounted:
+    """The adapter's client, recording the size of every whole-object read (``get_into``)."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.whole_reads: list[int] = []
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self._store, attribute)
+
+    def get_into(self, name: str, address: int, size: int) -> int:
+        self.whole_reads.append(size)
+        return int(self._store.get_into(name, address, size))
+
+
+@pytest.mark.parametrize("damage", ["garbage", "header_length_not_fixed", "longer_than_its_header_says"])
+def test_a_damaged_header_is_judged_again_without_reading_the_payload(
+    mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter], damage: str
+) -> None:
+    """A lookup that finds a damaged header (on the request path) makes sure the object
+    still holds it before removing it: its size and header tell, and the payload -- of
+    any size -- is not transferred again for it."""
+    adapter = open_adapter(config_for(mooncake_pool))
+    adapters.append(adapter)
+    (key,) = make_keys(1)
+    name = name_of(adapter, key)
+    payload = pattern(7, 4 * SIZE)
+    record = {
+        "garbage": pattern(8, HEADER_BYTES + len(payload)),
+        "header_length_not_fixed": encode_header(key, payload, align=2 * HEADER_BYTES)[:HEADER_BYTES]
+        + payload,
+        # an intact header, judged once the lane it was read into is given back
+        "longer_than_its_header_says": _record(key, payload) + pattern(9, SIZE),
+    }[damage]
+    assert raw.put(name, bytes(record)) == 0
+    backend = backend_of(adapter)
+    counted = _ReadsCounted(backend.connection.store())
+    backend.connection.store = lambda: counted  # type: ignore[method-assign]
+    try:
+        assert BlockingAdapterClient(adapter).lookup_and_lock([key]).found == [False]
+    finally:
+        del backend.connection.store
+    assert adapter.stats()["corrupt_records_removed"] == 1
+    assert raw.is_exist(name) == 0, "the damaged object was removed from the pool"
+    assert all(size <= HEADER_BYTES for size in counted.whole_reads), counted.whole_reads
+
+
 def test_a_record_of_another_key_under_a_colliding_name_is_a_miss_that_is_kept(
     mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter], caplog: pytest.LogCaptureFixture
 ) -> None:

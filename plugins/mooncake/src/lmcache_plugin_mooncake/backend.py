@@ -1003,7 +1003,8 @@ class MooncakeStoreBackend:
     ) -> None:
         """Remove the object under ``name``, judged damaged (``why``) by a read that found
         ``size`` bytes there, and in them ``header`` and ``payload`` (the parts judged) --
-        only if it still holds them.
+        only if it still holds them.  ``header`` is the lane slot it was read into (read
+        again there), or a copy once that lane was given back.
 
         Mooncake has no conditional remove, and another writer may have replaced the
         object since it was read -- or while it was read, the read torn between the two:
@@ -1038,6 +1039,8 @@ class MooncakeStoreBackend:
         """How the object under ``name`` differs now from the ``size`` bytes, ``header``
         and ``payload`` a read judged damaged; None when it still holds them, or cannot be
         read to tell (the read failed); ``_GONE`` when there is no object."""
+        if payload is None:
+            return self._header_replaced_since(store, name, size, header)
         # Into memory of its own, not a lane or L1 (Mooncake stages unregistered memory).
         again = bytearray(size)
         view = memoryview(again)
@@ -1055,6 +1058,42 @@ class MooncakeStoreBackend:
         if payload is not None and view[HEADER_BYTES:] != payload.cast("B"):
             return "another payload"
         return None
+
+    def _header_replaced_since(
+        self, store: Any, name: str, size: int, header: memoryview | bytes | None
+    ) -> str | None:
+        """:meth:`_replaced_since` for a judgment of the object's size and header alone:
+        only those are asked again, never the payload -- read whole, a damaged header a
+        lookup found (on the request path) had the whole object transferred into memory
+        of its own to compare 4 KiB of it."""
+        try:
+            now = self._record_sizes(store, [name]).get(name)
+        except MooncakeError:
+            return None  # unreadable now: removed as judged
+        if now is None:  # no complete replica: gone, or another writer's put under way
+            return _GONE
+        if now != size:
+            return f"now {now} bytes, not the {size} read"
+        if header is None:
+            return None
+        # A ranged read lands in registered memory only (Mooncake refuses other memory):
+        # the judged header's own lane slot -- the key's alone until it is judged -- or,
+        # for a copy made once its lane was given back, a lane taken for it.
+        if isinstance(header, memoryview):
+            return self._header_differs(store, name, header, bytes(header))
+        with self.lanes.lane(self.timeout) as lane:
+            return self._header_differs(store, name, lane.slot(0), header)
+
+    def _header_differs(self, store: Any, name: str, into: memoryview, judged: bytes) -> str | None:
+        """The record header under ``name`` read again into ``into`` (a lane slot) and
+        compared with the ``judged`` one, as :meth:`_replaced_since` answers."""
+        answer = store.get_into_ranges([address_of(into)], [[name]], [[[0]]], [[[0]]], [[[HEADER_BYTES]]])
+        code = answer[0][0][0]  # of the one buffer's one name's one range
+        if code == NOT_FOUND:
+            return _GONE
+        if code != HEADER_BYTES:
+            return None  # unreadable now: removed as judged
+        return "another record header" if into != judged else None
 
     # -- delete ----------------------------------------------------------------------------
 
