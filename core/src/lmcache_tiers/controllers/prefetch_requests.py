@@ -165,7 +165,9 @@ def unique_prefix(keys: Sequence[ObjectKey]) -> list[ObjectKey]:
 
 def unique_length(keys: Sequence[ObjectKey], l1_hits: int) -> int:
     """``len(unique_prefix(keys))`` without building the list; ``l1_hits`` is the length of
-    the L1 prefix found with ``until_repeat`` (every key of it distinct)."""
-    if l1_hits == len(keys) or len(set(keys)) == len(keys):
+    the L1 prefix found with ``until_repeat`` (every key of it distinct).  Keys whose chunk
+    hashes differ differ: a set of those bytes costs less than one of keys that a miss has
+    not hashed yet (each field of each)."""
+    if l1_hits == len(keys) or len({key.chunk_hash for key in keys}) == len(keys):
         return len(keys)
     return len(unique_prefix(keys))

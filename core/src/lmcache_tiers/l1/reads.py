@@ -185,9 +185,14 @@ class ReadLocks:
         """(prefix objects, the distinct ones among them, their keys) of ``lock_prefix``;
         a prefix that is every key, each once, is remembered for the next call."""
         table = self._table
+        ready = table.ready
+        if not keys or keys[0] not in ready:
+            # A new prompt: nothing to lock, and no key past the first is probed (hashing a
+            # key just decoded costs more than finding it).
+            return [], [], []
         # The prefix is found with C-level passes (one probe of the READY objects per key,
         # then the first miss), which is most of the cost of a lookup.
-        found: list[L1Object | None] = list(map(table.ready.get, keys))
+        found: list[L1Object | None] = list(map(ready.get, keys))
         if not all(found):  # objects are never false, None is
             del found[found.index(None) :]
         prefix = cast("list[L1Object]", found)
