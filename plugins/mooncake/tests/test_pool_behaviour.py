@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import signal
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import msgspec
@@ -65,6 +66,18 @@ def load(adapter: BackendAdapter, keys: list[ObjectKey], sizes: list[int]) -> tu
     buffers = [memoryview(bytearray(size)) for size in sizes]
     ok = BlockingAdapterClient(adapter).load(keys, buffers)
     return ok, [bytes(b) for b in buffers]
+
+
+@contextmanager
+def wrapped_client(backend: Any, wrap: Callable[[Any], Any]) -> Iterator[Any]:
+    """Inside the block, every call the backend makes goes to ``wrap(client)`` (made for
+    each of its calls, as the client is asked for); yields the client itself."""
+    real = backend.connection.store()
+    backend.connection.store = lambda: wrap(real)
+    try:
+        yield real
+    finally:
+        del backend.connection.store  # the class's method again
 
 
 def name_of(adapter: BackendAdapter, key: ObjectKey) -> str:
@@ -284,12 +297,8 @@ def test_a_put_whose_publishing_fails_leaves_nothing_behind(
     keys = make_keys(4)
     names = [name_of(adapter, key) for key in keys]
     backend = backend_of(adapter)
-    real = backend.connection.store()
-    backend.connection.store = lambda: _FailingPutEnd(real, mode)  # type: ignore[method-assign]
-    try:
+    with wrapped_client(backend, lambda real: _FailingPutEnd(real, mode)):
         ok = BlockingAdapterClient(adapter).store(keys, [memoryview(pattern(i, SIZE)) for i in range(4)])
-    finally:
-        del backend.connection.store  # the class's method again
     assert ok == [False] * 4
     assert raw.batch_is_exist(names) == [0] * 4
     assert BlockingAdapterClient(adapter).lookup_and_lock(keys).found == [False] * 4
@@ -334,12 +343,8 @@ def test_a_reservation_a_failed_write_cannot_give_up_is_counted_and_logged(
     keys = make_keys(2)
     names = [name_of(adapter, key) for key in keys]
     backend = backend_of(adapter)
-    real = backend.connection.store()
-    backend.connection.store = lambda: _FailingWriteAndRevoke(real, mode)  # type: ignore[method-assign]
-    try:
+    with wrapped_client(backend, lambda real: _FailingWriteAndRevoke(real, mode)) as real:
         ok = BlockingAdapterClient(adapter).store(keys, [memoryview(pattern(i, SIZE)) for i in range(2)])
-    finally:
-        del backend.connection.store
     try:
         assert ok == [False, True]
         assert adapter.stats()["withdraw_failures"] == 1
@@ -375,14 +380,10 @@ def test_a_batch_that_fails_while_replacing_withdraws_what_it_published(
     taken, fresh = make_keys(2)
     assert raw.put(name_of(adapter, taken), b"not a record" * 100) == 0
     backend = backend_of(adapter)
-    real = backend.connection.store()
-    backend.connection.store = lambda: _FailingReplace(real)  # type: ignore[method-assign]
-    try:
+    with wrapped_client(backend, _FailingReplace):
         ok = BlockingAdapterClient(adapter).store(
             [taken, fresh], [memoryview(pattern(i, SIZE)) for i in range(2)]
         )
-    finally:
-        del backend.connection.store
     assert ok == [False, False]
     # the fresh key was published before the replacement failed: withdrawn with the batch
     assert raw.batch_is_exist([name_of(adapter, fresh)]) == [0]
@@ -609,15 +610,11 @@ def test_a_damaged_record_replaced_after_it_was_read_is_not_removed(
     damaged[HEADER_BYTES + 1000] ^= 0x01
     assert raw.put(name, bytes(damaged)) == 0
     backend = backend_of(adapter)
-    real = backend.connection.store()
-    backend.connection.store = lambda: _ReplacedAfterRead(real, raw, name, good, read)  # type: ignore[method-assign]
-    try:
+    with wrapped_client(backend, lambda real: _ReplacedAfterRead(real, raw, name, good, read)):
         if read == "get_into_ranges":  # a key the adapter does not know: its header is read
             assert BlockingAdapterClient(adapter).lookup_and_lock([key]).found == [False]
         else:
             assert load(adapter, [key], [SIZE])[0] == [False]
-    finally:
-        del backend.connection.store
     assert raw.is_exist(name) == 1, "the other writer's record was removed as the damage read before"
     stats = adapter.stats()
     assert stats["corrupt_reads_replaced"] == 1
@@ -665,11 +662,8 @@ def test_a_damaged_header_is_judged_again_without_reading_the_payload(
     assert raw.put(name, bytes(record)) == 0
     backend = backend_of(adapter)
     counted = _ReadsCounted(backend.connection.store())
-    backend.connection.store = lambda: counted  # type: ignore[method-assign]
-    try:
+    with wrapped_client(backend, lambda _real: counted):
         assert BlockingAdapterClient(adapter).lookup_and_lock([key]).found == [False]
-    finally:
-        del backend.connection.store
     assert adapter.stats()["corrupt_records_removed"] == 1
     assert raw.is_exist(name) == 0, "the damaged object was removed from the pool"
     assert all(size <= HEADER_BYTES for size in counted.whole_reads), counted.whole_reads
@@ -936,12 +930,8 @@ def test_a_failed_header_read_of_an_accounted_key_releases_nothing(
     eventually(lambda: not second.stats()["scan_running"], what="the start-up scan")
     assert second.used_bytes() == 2 * SIZE and second.l1_size_of(keys[0]) is None
     backend = backend_of(second)
-    real = backend.connection.store()
-    backend.connection.store = lambda: _FailingHeaderReads(real)  # type: ignore[method-assign]
-    try:
+    with wrapped_client(backend, _FailingHeaderReads):
         result = BlockingAdapterClient(second).lookup_and_lock(keys)
-    finally:
-        del backend.connection.store
     if any(result.found):
         second.unlock([key for key, hit in zip(keys, result.found, strict=True) if hit])
     assert result.found == [False, False]
@@ -985,13 +975,9 @@ def test_a_failed_header_read_misses_only_its_key(
     eventually(lambda: not second.stats()["scan_running"], what="the start-up scan")
     assert second.used_bytes() == 3 * SIZE
     backend = backend_of(second)
-    real = backend.connection.store()
     failing = name_of(second, keys[1])
-    backend.connection.store = lambda: _OneFailingHeaderRead(real, failing)  # type: ignore[method-assign]
-    try:
+    with wrapped_client(backend, lambda real: _OneFailingHeaderRead(real, failing)):
         result = BlockingAdapterClient(second).lookup_and_lock(keys)
-    finally:
-        del backend.connection.store
     hits = [key for key, hit in zip(keys, result.found, strict=True) if hit]
     if hits:
         ok, contents = load(second, hits, [SIZE] * len(hits))
@@ -1104,12 +1090,8 @@ def test_the_listing_leaves_out_objects_whose_headers_it_could_not_read(
     adapters.append(adapter)
     eventually(lambda: not adapter.stats()["scan_running"], what="the start-up scan")
     backend = backend_of(adapter)
-    real = backend.connection.store()
-    backend.connection.store = lambda: failing(real)  # type: ignore[method-assign]
-    try:
+    with wrapped_client(backend, failing):
         assert list(backend.list_keys()) == []
-    finally:
-        del backend.connection.store
     assert adapter.stats()["listing_header_read_failures"] == 2
 
 
@@ -1153,11 +1135,6 @@ def test_a_record_a_delete_kept_is_read_again_after_a_lookup_of_it_failed(
     backend = backend_of(evicting)
     # The backend alone: core's lookup right after a delete is the one that fails here.
     assert backend.delete_many([MINE]) == [False]
-    real = backend.connection.store()
-    backend.connection.store = lambda: _FailingHeaderReads(real)  # type: ignore[method-assign]
-    try:
-        with pytest.raises(MooncakeError):
-            backend.contains_many([MINE])
-    finally:
-        del backend.connection.store
+    with wrapped_client(backend, _FailingHeaderReads), pytest.raises(MooncakeError):
+        backend.contains_many([MINE])
     assert backend.contains_many([MINE]) == [None], "another server's record was answered as this key's"
