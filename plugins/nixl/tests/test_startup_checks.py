@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import test_obj_backend
-from lmcache_plugin_nixl.availability import azure_blob_endpoint, check_remote_endpoint
+from lmcache_plugin_nixl.availability import azure_blob_endpoint, check_remote_endpoint, obj_endpoint
 from test_obj_backend import HERE, s3_endpoint  # noqa: F401 - the S3 server fixture
 
 from lmcache_tiers.errors import ConfigError
@@ -114,7 +114,24 @@ def test_obj_needs_a_bucket_and_a_reachable_endpoint_override() -> None:
         r".*backend_params\.endpoint_override",
     ):
         check_remote_endpoint("OBJ", {"bucket": "b", "endpoint_override": f"http://127.0.0.1:{closed}"})
-    check_remote_endpoint("OBJ", {"bucket": "b"})  # AWS's own endpoints: not probed
+
+
+def test_obj_without_an_endpoint_override_is_probed_at_aws_own_endpoint_of_its_region() -> None:
+    """Unprobed, a server with no route to AWS started and failed each store after about
+    26 s of the SDK's retries with a bare NIXL_ERR_BACKEND."""
+    hint = "region (no endpoint_override: AWS's own endpoint)"
+    assert obj_endpoint({"bucket": "b"}, environ={}) == ("https://s3.us-east-1.amazonaws.com", hint)
+    assert obj_endpoint({"bucket": "b"}, environ={"AWS_DEFAULT_REGION": "eu-west-1"})[0] == (
+        "https://s3.eu-west-1.amazonaws.com"
+    )
+    environ = {"AWS_REGION": "ap-south-1", "AWS_DEFAULT_REGION": "eu-west-1"}
+    assert obj_endpoint({"bucket": "b"}, environ=environ)[0] == "https://s3.ap-south-1.amazonaws.com"
+    params = {"bucket": "b", "region": "cn-north-1", "scheme": "http"}
+    assert obj_endpoint(params, environ=environ)[0] == "http://s3.cn-north-1.amazonaws.com.cn"
+    assert obj_endpoint({"endpoint_override": "127.0.0.1:9000", "scheme": "http"}, environ={}) == (
+        "http://127.0.0.1:9000",
+        "endpoint_override",
+    )
 
 
 def test_serve_with_an_unreachable_azure_blob_endpoint_exits_2_in_one_line() -> None:

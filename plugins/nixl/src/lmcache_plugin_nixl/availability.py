@@ -70,12 +70,30 @@ def azure_blob_endpoint(params: dict[str, str]) -> tuple[str, str]:
     return f"{protocol}://{fields.get('AccountName', '')}.blob.{suffix}", "connection_string"
 
 
-def obj_endpoint(params: dict[str, str]) -> tuple[str, str] | None:
-    """(URL of the S3 service, the backend_params key it came from) for OBJ, or None when
-    no ``endpoint_override`` is given (AWS's own endpoints, found by the SDK)."""
+#: region the AWS SDK falls back to when neither backend_params nor the environment names one
+AWS_DEFAULT_REGION = "us-east-1"
+
+
+def aws_s3_endpoint(params: dict[str, str], environ: Mapping[str, str] = os.environ) -> str:
+    """URL of AWS's own S3 endpoint for the configured region (``region``, else
+    ``AWS_REGION`` or ``AWS_DEFAULT_REGION``, else us-east-1), where the SDK sends requests
+    when no ``endpoint_override`` is given."""
+    region = (
+        params.get("region", "").strip()
+        or environ.get("AWS_REGION", "").strip()
+        or environ.get("AWS_DEFAULT_REGION", "").strip()
+        or AWS_DEFAULT_REGION
+    )
+    domain = "amazonaws.com.cn" if region.startswith("cn-") else "amazonaws.com"
+    return f"{params.get('scheme', '').strip() or 'https'}://s3.{region}.{domain}"
+
+
+def obj_endpoint(params: dict[str, str], environ: Mapping[str, str] = os.environ) -> tuple[str, str]:
+    """(URL of the S3 service, the backend_params key naming it) for OBJ: the
+    ``endpoint_override``, else AWS's own endpoint of the region."""
     url = params.get("endpoint_override", "").strip()
     if not url:
-        return None
+        return aws_s3_endpoint(params, environ), "region (no endpoint_override: AWS's own endpoint)"
     if "://" not in url:  # a bare host[:port]: the SDK puts `scheme` (https by default) first
         url = f"{params.get('scheme', '').strip() or 'https'}://{url}"
     return url, "endpoint_override"
@@ -92,7 +110,10 @@ def check_remote_endpoint(
     NIXL creates the backend and registers objects without contacting the service, so an
     unreachable endpoint would otherwise show up only as failed stores and misses (for
     OBJ, each after the SDK's retries, tens of seconds).  A TCP connection to the
-    endpoint's host and port is the probe (no request is sent).  OBJ without a bucket
+    endpoint's host and port is the probe (no request is sent); OBJ without an
+    ``endpoint_override`` probes AWS's own endpoint of its region, which a host without a
+    route to AWS cannot reach either (each store failed after about 26 s of the SDK's
+    retries with a bare NIXL_ERR_BACKEND, while the server ran).  OBJ without a bucket
     (``bucket``, or ``AWS_DEFAULT_BUCKET``) is refused by name: NIXL would fail with a bare
     NIXL_ERR_BACKEND.
     """
@@ -102,10 +123,7 @@ def check_remote_endpoint(
                 "backend_params.bucket is required for the OBJ backend "
                 "(or the AWS_DEFAULT_BUCKET environment variable): the bucket holding the pool"
             )
-        endpoint = obj_endpoint(params)
-        if endpoint is None:
-            return
-        url, key = endpoint
+        url, key = obj_endpoint(params, environ)
     elif backend == "AZURE_BLOB":
         url, key = azure_blob_endpoint(params)
     else:
