@@ -1333,3 +1333,74 @@ def test_a_record_a_nixl_load_cannot_open_or_read_is_counted_and_told_once_a_bur
             assert len(told) == 1, [r.getMessage() for r in told]
         finally:
             adapter.close()
+
+
+def descriptor_failing(fd: int, path: str, flags: int) -> None:
+    """Put a descriptor of ``path`` opened with ``flags`` under number ``fd``: NIXL's
+    transfer through that number then fails in the kernel (EBADF), the file unchanged."""
+    other = os.open(path, flags)
+    try:
+        os.dup2(other, fd)
+    finally:
+        os.close(other)
+
+
+def test_a_record_whose_nixl_read_fails_is_counted_as_a_read_error(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # With use_direct_io the record goes through NIXL: a read the kernel fails there is
+    # a miss counted as load_read_errors, as when its open or header read fails.
+    arena = Arena()
+    keys = make_keys(2)
+    data = [pattern(70 + index, SIZE) for index in range(2)]
+    begin_read = recordio.RecordFiles._begin_read
+
+    def write_only_descriptor(self: Any, index: int, key: ObjectKey, buffer: memoryview) -> Any:
+        item = begin_read(self, index, key, buffer)
+        if item is not None and key == keys[0]:
+            descriptor_failing(item.fd, item.path, os.O_WRONLY)
+        return item
+
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root, direct_io=True), arena.view)
+        try:
+            assert store(adapter, arena, keys, data) == [True, True]
+            monkeypatch.setattr(recordio.RecordFiles, "_begin_read", write_only_descriptor)
+            with caplog.at_level(logging.WARNING):
+                ok, contents = load(adapter, arena, keys, [SIZE, SIZE])
+            assert ok == [False, True] and contents[1] == data[1]
+            assert adapter.stats()["load_read_errors"] == 1
+            assert any(keys[0].file_stem() in r.getMessage() for r in caplog.records)
+            # The record is intact and stays: read again, it loads.
+            monkeypatch.setattr(recordio.RecordFiles, "_begin_read", begin_read)
+            ok, contents = load(adapter, arena, keys[:1], [SIZE])
+            assert ok == [True] and contents[0] == data[0]
+        finally:
+            adapter.close()
+
+
+def test_a_record_whose_nixl_write_fails_is_counted_as_a_store_io_error(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    arena = Arena()
+    keys = make_keys(2)
+    data = [pattern(80 + index, SIZE) for index in range(2)]
+    open_temp = recordio.RecordFiles._open_temp
+
+    def read_only_descriptor(self: Any, index: int, key: ObjectKey, payload: memoryview) -> Any:
+        item = open_temp(self, index, key, payload)
+        if item is not None and key == keys[0]:
+            descriptor_failing(item.fd, item.path, os.O_RDONLY)
+        return item
+
+    monkeypatch.setattr(recordio.RecordFiles, "_open_temp", read_only_descriptor)
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root), arena.view)
+        try:
+            with caplog.at_level(logging.WARNING):
+                assert store(adapter, arena, keys, data) == [False, True]
+            assert adapter.stats()["store_io_errors"] == 1
+            assert any(keys[0].file_stem() in r.getMessage() for r in caplog.records)
+            assert record_files(root) == [f"{keys[1].file_stem()}.bin"], "no temporary file is left"
+        finally:
+            adapter.close()

@@ -44,7 +44,7 @@ from queue import SimpleQueue
 
 from lmcache_plugin_nixl.memory import DIRECT_IO_ALIGN, HostMemory, buffer_address, direct_io_ok
 from lmcache_plugin_nixl.plainreads import PlainReads
-from lmcache_plugin_nixl.runtime import NixlRuntime, Registration
+from lmcache_plugin_nixl.runtime import NixlRuntime, NixlTransferError, Registration
 from lmcache_plugin_nixl.transfers import BatchTransfer, Locator, StorageRow
 from lmcache_tiers.plugin import (
     ABSENT_FILE_ERRORS,
@@ -361,7 +361,10 @@ class RecordFiles:
                 encoded = headers.result()
             complete: list[tuple[_Pending, bytes]] = []
             for item, ok, header in zip(pending, moved, encoded, strict=True):
-                if not ok or header is None:
+                if not ok:
+                    self._nixl_write_failed(keys[item.index], "payload")
+                    continue
+                if header is None:
                     continue  # explained where it failed
                 if len(header) != item.offset:
                     self._context.header_too_long(keys[item.index], len(header), item.offset)
@@ -369,7 +372,10 @@ class RecordFiles:
                 complete.append((item, header))
             for (item, _header), ok in zip(complete, self._write_headers(complete), strict=True):
                 key = keys[item.index]
-                results[item.index] = ok and self._close_written(item, key) and self._publish(item, key)
+                if not ok:
+                    self._nixl_write_failed(key, "header")
+                    continue
+                results[item.index] = self._close_written(item, key) and self._publish(item, key)
         finally:
             for item in pending:
                 if item.fd >= 0:  # not published: its close cannot fail anything more
@@ -378,6 +384,13 @@ class RecordFiles:
                 if not results[item.index]:
                     self._files.remove_quietly(item.path)
         return results
+
+    def _nixl_write_failed(self, key: ObjectKey, part: str) -> None:
+        """A record the storage failed through NIXL is counted and named like one whose
+        open, reservation or close failed (``store_io_errors``); one stopped by the close
+        is counted by :meth:`write` instead."""
+        if not self._stopped():
+            self._failures.failed(record_name(key), NixlTransferError(f"NIXL failed to write its {part}"))
 
     def _close_written(self, item: _Pending, key: ObjectKey) -> bool:
         """Close a complete temporary file before it is published: a network filesystem
@@ -575,10 +588,13 @@ class RecordFiles:
         results: list[bool],
     ) -> None:
         for position, item in enumerate(group):
-            if not (moved[2 * position] and moved[2 * position + 1]):
-                continue
             if self._stopped():
                 return  # the buffers may hold other objects' bytes: judged by nothing
+            if not (moved[2 * position] and moved[2 * position + 1]):
+                # The kernel failed the read, or the file changed under it: a miss, counted
+                # as the plain reads count a failed read; the record is not judged.
+                self._read_error("cannot read", item.path, "NIXL failed to read it")
+                continue
             assert item.header is not None
             try:
                 header = self._context.read_record_header(bytes(item.header), keys[item.index])
@@ -631,7 +647,7 @@ class RecordFiles:
         os.close(fd)
         return None
 
-    def _read_error(self, what: str, path: str, exc: OSError) -> None:
+    def _read_error(self, what: str, path: str, exc: OSError | str) -> None:
         """A record file that cannot be opened or read: a miss, counted as the plain reads
         and local file stores count it; a failing disk fails every load alike, so a burst
         is one line."""
