@@ -718,6 +718,21 @@ def test_a_record_of_an_unknown_format_version_is_a_miss_that_is_kept(
     assert stats["record_version_unknown"] >= 1
 
 
+class _HeaderReadsNoted:
+    """The adapter's client, noting in ``read`` the names whose record header (a ranged
+    read) it reads."""
+
+    def __init__(self, store: Any, read: list[str]) -> None:
+        self._store, self._read = store, read
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self._store, attribute)
+
+    def get_into_ranges(self, *args: Any) -> Any:
+        self._read.extend(args[1][0])  # the names read into the first (only) buffer
+        return self._store.get_into_ranges(*args)
+
+
 @pytest.mark.parametrize("serde", [(), (Xor(),)], ids=["no_chain", "chain"])
 def test_an_accounted_key_whose_record_a_load_found_not_its_own_is_a_miss_next(
     mooncake_pool: LocalCluster, raw: Any, adapters: list[BackendAdapter], serde: tuple[Any, ...]
@@ -749,6 +764,16 @@ def test_an_accounted_key_whose_record_a_load_found_not_its_own_is_a_miss_next(
     assert adapter.used_bytes() == 0, "the bytes of a record not this server's stay accounted"
     assert raw.is_exist(name) == 1, "the newer server's record was removed"
     assert adapter.stats().get("corrupt_records_removed", 0) == 0
+    # Stored again through this server, the key is its own once more: a lookup answers it
+    # as it answers every key it stored, reading no header.
+    store(adapter, [key])
+    backend = backend_of(adapter)
+    read: list[str] = []
+    with wrapped_client(backend, lambda real: _HeaderReadsNoted(real, read)):
+        result = BlockingAdapterClient(adapter).lookup_and_lock([key])
+    adapter.unlock([key])
+    assert result.found == [True]
+    assert read == [], "the header of a key this server stored was read to look it up"
 
 
 def test_damage_in_a_batch_verified_on_several_threads_is_a_miss_and_is_removed(

@@ -955,7 +955,7 @@ class MooncakeStoreBackend:
 
     def _verified(self, store: Any, key: ObjectKey, name: str, slot: memoryview, payload: memoryview) -> bool:
         size = HEADER_BYTES + payload.nbytes
-        header = self._header(store, key, name, slot, size)
+        header = self._header(store, key, name, slot, size, loading=True)
         if header is None:
             return False
         if header.payload_len != payload.nbytes:
@@ -968,9 +968,11 @@ class MooncakeStoreBackend:
             return False
         return True
 
-    def _header(self, store: Any, key: ObjectKey, name: str, slot: memoryview, size: int) -> Any:
-        """The verified header in ``slot``, read from an object of ``size`` bytes; None for
-        a miss (damage is removed)."""
+    def _header(
+        self, store: Any, key: ObjectKey, name: str, slot: memoryview, size: int, *, loading: bool = False
+    ) -> Any:
+        """The verified header in ``slot``, read from an object of ``size`` bytes (by a load
+        when ``loading``, else by a lookup); None for a miss (damage is removed)."""
         try:
             header = self.context.read_record_header(slot, key)
         except RecordError as exc:
@@ -978,10 +980,12 @@ class MooncakeStoreBackend:
             # this one's) or a newer format's; damage is removed
             if not self._deletes.kept_record(key, exc):
                 self._remove_damaged(store, key, name, str(exc), size, slot)
-            elif self.context.l1_size_of(key) is not None:
+            elif loading and self.context.l1_size_of(key) is not None:
                 # The next lookup reads it again, a miss, so core releases what it
                 # accounts for the key: answered from that accounting (no header read),
                 # it would be a hit that every load fails, each reading the whole record.
+                # (Not that lookup itself: its miss is that release, and marking the name
+                # again would have the key's next record -- this server's -- read too.)
                 with self._resized_lock:
                     self._reread.add(name)
             return None
