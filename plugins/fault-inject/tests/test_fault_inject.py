@@ -690,6 +690,38 @@ def test_faults_follow_the_order_of_calls_not_the_end_of_their_delays() -> None:
     assert store_outcomes(overlapping=True) == one_at_a_time
 
 
+def load_outcomes(*, overlapping: bool) -> list[list[bool]]:
+    """Outcomes of 12 one-key loads, some delayed, some failed, some corrupted (reported as
+    failed), submitted at once or one at a time."""
+    adapter = open_async_fault(
+        seed=3, load_fail_rate=0.3, corrupt_rate=0.5, delay_s=0.1, delay_rate=0.5, delay_ops=("load",)
+    )
+    try:
+        client = BlockingAdapterClient(adapter)
+        keys = make_keys(12)
+        assert client.store(keys, [memoryview(pattern(i, 64)) for i in range(12)]) == [True] * 12
+        assert client.lookup_and_lock(keys).found == [True] * 12
+        calls = [([key], buffers(1, 64)) for key in keys]
+        if not overlapping:
+            outcomes = [client.load(one, targets) for one, targets in calls]
+        else:
+            task_ids = [adapter.submit_load(one, targets) for one, targets in calls]
+            outcomes = [client.wait(L2Op.LOAD, task_id) for task_id in task_ids]
+        adapter.unlock(keys)
+        assert adapter.stats()["injected_corruptions"] > 0
+        return outcomes
+    finally:
+        adapter.close()
+
+
+def test_corruptions_follow_the_order_of_calls_not_the_end_of_their_loads() -> None:
+    # Which load is corrupted is drawn with its failures when it starts: drawn once the
+    # inner load is done, overlapping loads would take each other's corruptions.
+    one_at_a_time = load_outcomes(overlapping=False)
+    assert [True] in one_at_a_time and [False] in one_at_a_time
+    assert load_outcomes(overlapping=True) == one_at_a_time
+
+
 @pytest.mark.parametrize("rate", [0.1, 0.75])
 def test_the_failure_rate_is_the_fraction_of_keys_that_fail(rate: float) -> None:
     adapter = open_fault(seed=11, store_fail_rate=rate)

@@ -14,7 +14,7 @@ import random
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import Any, NamedTuple
 
 from lmcache_plugin_fault_inject import FaultInjectConfig
 from lmcache_tiers.plugin import (
@@ -32,6 +32,18 @@ from lmcache_tiers.plugin import (
 _DELAY_POLL_S = 0.05
 
 Found = int | ObjectSize | None
+
+
+class Decision(NamedTuple):
+    """What one backend call gets injected, drawn when it starts."""
+
+    #: seconds it sleeps first (0: none)
+    delay: float
+    #: per key: True if it fails
+    failed: list[bool]
+    #: per key of a load: where in the object its byte is flipped if it loads (a fraction
+    #: of the object's size), None for a key left whole; empty for other operations
+    corruptions: list[float | None]
 
 
 class InjectedFault(OSError):
@@ -88,13 +100,13 @@ class _FaultInjector:
             "delete": config.delete_fail_rate,
         }
 
-    def decide(self, op: str, count: int) -> tuple[float, list[bool]]:
-        """The delay (seconds, 0: none) and the failed keys of one call of ``op``.
+    def decide(self, op: str, count: int) -> Decision:
+        """The delay, the failed keys and (loads) the corruptions of one call of ``op``.
 
-        Both are drawn when the call starts: drawn after its delay, the failures of
-        calls running at once would depend on which delay ends first.
+        All are drawn when the call starts: drawn after its delay or its inner call, the
+        faults of calls running at once would depend on which of them ends first.
         """
-        return self._delay_of(op), self._failures(op, count)
+        return Decision(self._delay_of(op), self._failures(op, count), self._corruptions(op, count))
 
     def _delay_of(self, op: str) -> float:
         """Seconds this call of ``op`` sleeps first (0: none); counted when chosen."""
@@ -110,6 +122,17 @@ class _FaultInjector:
         if self.config.fail_mode == "keys":
             return [rng.random() < rate for _ in range(count)]
         return [rng.random() < rate] * count
+
+    def _corruptions(self, op: str, count: int) -> list[float | None]:
+        """For each of ``count`` keys of a load: where its byte is flipped, None for none.
+
+        Drawn for every key, whether or not it then loads, so the draws of later calls do
+        not depend on what the inner adapter answered."""
+        rate = self.config.corrupt_rate
+        if op != "load" or rate == 0:
+            return []
+        rng = self._random[op]
+        return [rng.random() if rng.random() < rate else None for _ in range(count)]
 
     def inject(self, op: str, failed: list[bool]) -> list[bool]:
         """Count (and log) the failures a call goes on with; raises them in ``raise`` mode."""
@@ -161,12 +184,11 @@ class _FaultInjector:
             self.context.warn("injected_load_gaps", "injected load gap of %d/%d keys", gapped, len(keys))
         return [i for i, fail in enumerate(failed) if not fail and i not in gaps]
 
-    def corrupted(self, buffer: memoryview) -> bool:
-        """Flip one byte with ``corrupt_rate``; True if the load must report failure."""
-        rng = self._random["load"]
-        if buffer.nbytes == 0 or rng.random() >= self.config.corrupt_rate:
+    def corrupted(self, buffer: memoryview, where: float | None) -> bool:
+        """Flip the byte drawn for this object, if any; True if the load must report failure."""
+        if where is None or buffer.nbytes == 0:
             return False
-        buffer[rng.randrange(buffer.nbytes)] ^= 0xFF
+        buffer[min(int(where * buffer.nbytes), buffer.nbytes - 1)] ^= 0xFF
         self.context.count("injected_corruptions")
         self.context.warn(
             "injected_corruptions",
@@ -175,7 +197,13 @@ class _FaultInjector:
         )
         return self.config.corrupt_detected
 
-    def loaded(self, chosen: list[int], answers: Iterable[Any], buffers: Sequence[memoryview]) -> list[Any]:
+    def loaded(
+        self,
+        chosen: list[int],
+        answers: Iterable[Any],
+        buffers: Sequence[memoryview],
+        corruptions: Sequence[float | None],
+    ) -> list[Any]:
         """The inner backend's load answers, with corruption applied to its successes.
 
         An answer goes on as the inner backend gave it unless corruption makes it a
@@ -183,7 +211,7 @@ class _FaultInjector:
         read (positive even for a short read) would pass for a whole object loaded.
         """
         return [
-            False if done and self.corrupted(buffers[i]) else done
+            False if done and corruptions and self.corrupted(buffers[i], corruptions[i]) else done
             for i, done in zip(chosen, answers, strict=True)
         ]
 
@@ -196,7 +224,12 @@ class _FaultInjector:
         return out
 
     def partial(
-        self, count: int, chosen: list[int], exc: PartialFailure, buffers: Sequence[memoryview] | None = None
+        self,
+        count: int,
+        chosen: list[int],
+        exc: PartialFailure,
+        buffers: Sequence[memoryview] | None = None,
+        corruptions: Sequence[float | None] = (),
     ) -> PartialFailure:
         """The inner backend's ``PartialFailure`` of the chosen keys, as one of the whole batch.
 
@@ -209,7 +242,7 @@ class _FaultInjector:
         results: Any = exc.results
         try:
             if buffers is not None:
-                results = self.loaded(chosen, results, buffers)
+                results = self.loaded(chosen, results, buffers, corruptions)
             results = self.spread(count, chosen, results, False)
         except (TypeError, ValueError):
             pass
@@ -244,11 +277,11 @@ class FaultInjectBackend(_FaultInjector):
         # miss (a lookup holds no buffer the inner backend could still write to).
         self._lookups = LeftCallThreads(4, f"l2-{context.name}-inner-lookup")
 
-    def _before(self, op: str, count: int) -> list[bool]:
-        delay, failed = self.decide(op, count)
-        if delay and not self.context.sleep(delay):
-            return [True] * count
-        return self.inject(op, failed)
+    def _before(self, op: str, count: int) -> Decision:
+        decision = self.decide(op, count)
+        if decision.delay and not self.context.sleep(decision.delay):
+            return decision._replace(failed=[True] * count)
+        return decision._replace(failed=self.inject(op, decision.failed))
 
     def open(self) -> None:
         opener = _optional(self.inner, "open")
@@ -256,7 +289,7 @@ class FaultInjectBackend(_FaultInjector):
             opener()
 
     def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
-        chosen = [i for i, fail in enumerate(self._before("store", len(keys))) if not fail]
+        chosen = [i for i, fail in enumerate(self._before("store", len(keys)).failed) if not fail]
         if not chosen:
             return [False] * len(keys)
         try:
@@ -266,7 +299,7 @@ class FaultInjectBackend(_FaultInjector):
         return self.spread(len(keys), chosen, stored, False)
 
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[Found]:
-        failed = self._before("lookup", len(keys))
+        failed = self._before("lookup", len(keys)).failed
         asked = list(keys)
         call = self._lookups.submit(lambda: self.inner.contains_many(asked))
         deadline = time.monotonic() + self.config.lookup_timeout_s
@@ -294,21 +327,24 @@ class FaultInjectBackend(_FaultInjector):
         if inner_ping is None:
             self.contains_many([PROBE_KEY])
             return
-        self.ping_faults(self._before("lookup", 1))
+        self.ping_faults(self._before("lookup", 1).failed)
         inner_ping()
 
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
-        chosen = self.load_plan(keys, self._before("load", len(keys)))
+        decision = self._before("load", len(keys))
+        chosen = self.load_plan(keys, decision.failed)
         if not chosen:
             return [False] * len(keys)
         try:
             loaded = self.inner.get_many_into([keys[i] for i in chosen], [buffers[i] for i in chosen])
         except PartialFailure as exc:
-            raise self.partial(len(keys), chosen, exc, buffers) from exc
-        return self.spread(len(keys), chosen, self.loaded(chosen, loaded, buffers), False)
+            raise self.partial(len(keys), chosen, exc, buffers, decision.corruptions) from exc
+        return self.spread(
+            len(keys), chosen, self.loaded(chosen, loaded, buffers, decision.corruptions), False
+        )
 
     def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
-        chosen = [i for i, fail in enumerate(self._before("delete", len(keys))) if not fail]
+        chosen = [i for i, fail in enumerate(self._before("delete", len(keys)).failed) if not fail]
         if not chosen:
             return [False] * len(keys)
         try:
@@ -327,20 +363,20 @@ class FaultInjectBackend(_FaultInjector):
 class AsyncFaultInjectBackend(_FaultInjector):
     """Wraps a backend of coroutines, as coroutines on the same event loop."""
 
-    async def _before(self, op: str, count: int) -> list[bool]:
-        delay, failed = self.decide(op, count)
-        end = time.monotonic() + delay
-        while delay and (left := end - time.monotonic()) > 0:
+    async def _before(self, op: str, count: int) -> Decision:
+        decision = self.decide(op, count)
+        end = time.monotonic() + decision.delay
+        while decision.delay and (left := end - time.monotonic()) > 0:
             if self.context.closing:
-                return [True] * count
+                return decision._replace(failed=[True] * count)
             await asyncio.sleep(min(_DELAY_POLL_S, left))
-        return self.inject(op, failed)
+        return decision._replace(failed=self.inject(op, decision.failed))
 
     async def open(self) -> None:
         await _maybe_await(_optional(self.inner, "open"))
 
     async def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
-        chosen = [i for i, fail in enumerate(await self._before("store", len(keys))) if not fail]
+        chosen = [i for i, fail in enumerate((await self._before("store", len(keys))).failed) if not fail]
         if not chosen:
             return [False] * len(keys)
         try:
@@ -350,7 +386,7 @@ class AsyncFaultInjectBackend(_FaultInjector):
         return self.spread(len(keys), chosen, stored, False)
 
     async def contains_many(self, keys: Sequence[ObjectKey]) -> list[Found]:
-        failed = await self._before("lookup", len(keys))
+        failed = (await self._before("lookup", len(keys))).failed
         try:
             found = await asyncio.wait_for(self.inner.contains_many(list(keys)), self.config.lookup_timeout_s)
         except asyncio.TimeoutError:
@@ -366,21 +402,24 @@ class AsyncFaultInjectBackend(_FaultInjector):
         if inner_ping is None:
             await self.contains_many([PROBE_KEY])
             return
-        self.ping_faults(await self._before("lookup", 1))
+        self.ping_faults((await self._before("lookup", 1)).failed)
         await _maybe_await(inner_ping)
 
     async def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
-        chosen = self.load_plan(keys, await self._before("load", len(keys)))
+        decision = await self._before("load", len(keys))
+        chosen = self.load_plan(keys, decision.failed)
         if not chosen:
             return [False] * len(keys)
         try:
             loaded = await self.inner.get_many_into([keys[i] for i in chosen], [buffers[i] for i in chosen])
         except PartialFailure as exc:
-            raise self.partial(len(keys), chosen, exc, buffers) from exc
-        return self.spread(len(keys), chosen, self.loaded(chosen, loaded, buffers), False)
+            raise self.partial(len(keys), chosen, exc, buffers, decision.corruptions) from exc
+        return self.spread(
+            len(keys), chosen, self.loaded(chosen, loaded, buffers, decision.corruptions), False
+        )
 
     async def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
-        chosen = [i for i, fail in enumerate(await self._before("delete", len(keys))) if not fail]
+        chosen = [i for i, fail in enumerate((await self._before("delete", len(keys))).failed) if not fail]
         if not chosen:
             return [False] * len(keys)
         try:
