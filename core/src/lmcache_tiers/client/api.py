@@ -158,6 +158,16 @@ class Client(Connection):
             # 0600: it holds prompt-derived data): every byte goes through the socket.
             logger.warning("the server's L1 segment is not mapped (%s): bytes travel inline", exc)
             return None
+        except OSError as exc:
+            # The segment is this server's but the mapping failed (no address space or
+            # map count left, say).  Raised from the call that followed a restarted
+            # server, it left every later call inline without a word: say it once here.
+            logger.warning(
+                "the server's L1 segment %s could not be mapped (%s): bytes travel inline",
+                server.shm_name,
+                exc,
+            )
+            return None
 
     def _follow_server(self) -> None:
         """Before a request that names arena offsets: if the connection dropped since the
