@@ -782,6 +782,9 @@ class Client(Connection):
                 reply, frames = self._exchange(request, p.RetrieveReply)
                 if len(frames) != len(reply.slots):
                     raise ProtocolError(f"{len(reply.slots)} slots but {len(frames)} payload frames")
+                if len(reply.slots) > len(batch):
+                    # Which payload is which key's cannot be told: none is handed out.
+                    raise ProtocolError(f"RETRIEVE answered {len(reply.slots)} slots for {len(batch)} keys")
                 # Each frame must be its slot's size: a reply the server could not finish
                 # sending is closed with empty frames, never taken for an object.
                 for slot, frame in zip(reply.slots, frames, strict=True):
