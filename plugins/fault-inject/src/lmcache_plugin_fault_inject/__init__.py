@@ -28,8 +28,11 @@ class FaultInjectConfig(L2AdapterConfig):
     byte accounting (its counters show in ``stats()`` as ``inner_<name>``).
 
     Its purpose is to drive every failure path of the controllers.  All randomness comes
-    from ``seed`` (one generator per operation kind), so a run with the same calls injects
-    the same faults.  The wrapper's own ``serde`` chain wraps the inner one; ``eviction``
+    from ``seed`` (one generator per operation kind), drawn as each call starts, so a run
+    with the same calls injects the same faults -- unless the inner adapter runs calls of
+    one kind on several worker threads (redis's and mooncake's ``num_workers`` over 1):
+    then which of the calls running at once gets which faults follows which thread starts
+    first.  The wrapper's own ``serde`` chain wraps the inner one; ``eviction``
     and ``circuit`` belong on the wrapper (the inner adapter is not visible to the
     controllers); a remote inner adapter puts the wrapper behind a circuit breaker by
     default, as it would be itself.

@@ -88,8 +88,10 @@ class _FaultInjector:
         inner_concurrency = getattr(inner, "concurrency", None)
         if inner_concurrency is not None:
             self.concurrency = inner_concurrency
-        # One generator per operation kind: each kind runs on its own worker thread, so
-        # the sequence of decisions per kind does not depend on thread interleaving.
+        # One generator per operation kind: the calls of one kind start one after another
+        # (one worker thread, or coroutines on one event loop), so the sequence of
+        # decisions per kind does not depend on how kinds interleave.  An inner backend
+        # with several threads per kind starts its calls in whatever order they win.
         self._random = {
             op: random.Random(f"{config.seed}:{op}") for op in ("store", "lookup", "load", "delete")
         }
