@@ -43,6 +43,23 @@ def _sent_layouts(layouts: Sequence[str]) -> list[str]:
     return list(layouts) if any(layouts) else []
 
 
+def _checked_layouts(layouts: Sequence[str], count: int) -> list[str]:
+    """``layouts`` as a list of one string per key.  Anything else failed deep inside the
+    call (an AttributeError of ``startswith``, a TypeError of the layout parser) or, for
+    None, went out as no layout at all."""
+    if isinstance(layouts, (str, bytes, bytearray, memoryview)):
+        raise TypeError(f"layouts must be a sequence of strings, one per key, not a {type(layouts).__name__}")
+    listed = list(layouts)
+    for position, layout in enumerate(listed):
+        if not isinstance(layout, str):
+            raise TypeError(
+                f"layouts[{position}] is a {type(layout).__name__}, not a str ('' for plain bytes)"
+            )
+    if len(listed) != count:
+        raise ValueError(f"{count} keys but {len(listed)} layouts")
+    return listed
+
+
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
@@ -318,8 +335,8 @@ class Client(Connection):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         if layouts is None:
             layouts = [layout_of(buffer) for buffer in buffers]
-        elif len(layouts) != len(keys):
-            raise ValueError(f"{len(keys)} keys but {len(layouts)} layouts")
+        else:
+            layouts = _checked_layouts(layouts, len(keys))
         arrays = [as_byte_array(buffer) for buffer in buffers]
         if any(array.nbytes == 0 for array in arrays):
             raise ValueError("cannot store an empty buffer")
@@ -599,9 +616,7 @@ class Client(Connection):
         void.
         """
         keys = checked_keys(keys)
-        if layouts is not None and len(layouts) != len(keys):
-            raise ValueError(f"{len(keys)} keys but {len(layouts)} layouts")
-        reader = [] if layouts is None else list(layouts)
+        reader = [] if layouts is None else _checked_layouts(layouts, len(keys))
         with contextlib.ExitStack() as held:  # the segment stays mapped until the views go
             segment, slots, taken_over = self._on_current_server(
                 lambda: self._acquire_mapped(keys, held, reader)
