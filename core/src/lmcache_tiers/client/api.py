@@ -327,6 +327,14 @@ class Client(Connection):
         from torch tensors and numpy arrays, and are unknown for plain bytes.
         ``l1_only``: the server keeps them in L1 and never copies them to L2 (raises
         ClientError if it cannot promise that).
+
+        A :class:`RequestTimeoutError` (a :class:`ConnectionLostError` too) leaves unknown
+        which of the keys were stored: the server may have committed them just before
+        or after the client gave up on its reply (a lost STORE_COMMIT or inline store).
+        Calling ``store`` again is safe: keys already stored are skipped, never written
+        twice.  A key whose reservation the lost commit left open counts as being stored
+        until the server's write TTL drops it, so a retry within that time skips it too;
+        ``lookup`` tells which keys are there.
         """
         keys = checked_keys(keys)
         if l1_only and "l1_only_store" not in self.server_features:
