@@ -60,6 +60,11 @@ _ZERO_COPY_BYTES = 64 << 10
 
 #: what ``submit``'s ``done`` gets on the loop thread: the work's result, or what it raised
 Done = Callable[[Any, "BaseException | None"], None]
+#: ``submit``'s ``counted_at_stop``: whether the front end counts a request the stop gives
+#: up on itself (asked at the loop's end, after ``on_shutdown``)
+CountedAtStop = bool | Callable[[], bool]
+#: the failure reason of a pool request never answered that no front end counted
+ABANDONED_REASON = "pool_request_abandoned"
 #: complete messages libzmq queues per connection before the loop reads them (its default
 #: is 1000).  Until the loop gets to a request nobody has checked its token, so this times
 #: the largest message is what one connection, authenticated or not, can make the server
@@ -139,6 +144,8 @@ class RouterLoop:
             collections.deque()
         )
         self.in_pool = 0
+        #: requests on the pool whose ``done`` has not run, by their span token (loop thread)
+        self._unanswered: dict[object, CountedAtStop] = {}
         self._stop_requested = False
         self._force_stop = False
         self.draining = False
@@ -377,6 +384,7 @@ class RouterLoop:
                 logger.exception("%s: releasing client locks at shutdown failed", self.name)
             if self.draining and not self._force_stop:
                 self._let_replies_land(receive_one)
+            self._count_abandoned()
             self._close_sockets()
 
     def _note_open_files(self) -> None:
@@ -419,11 +427,45 @@ class RouterLoop:
         except Exception:
             logger.exception("%s: refusing requests while the last replies land failed", self.name)
 
+    def _count_abandoned(self) -> None:
+        """At the loop's end, when no completion is handled any more: a pool request whose
+        ``done`` never ran (dropped from the queue, still running, or ended after the last
+        turn) is never answered.  Front ends count those they give up on themselves (with
+        their own reasons, keys and log lines); the rest are counted here, once, as
+        ``pool_request_abandoned``, so none leaves /metrics unaccounted."""
+        unanswered, self._unanswered = self._unanswered, {}
+        if not unanswered:
+            return
+        DATA_PLANE.end_many(unanswered)  # their spans never end otherwise
+        uncounted = sum(1 for counted in unanswered.values() if not self._counted_by_front_end(counted))
+        if uncounted:
+            self.stats.failure(ABANDONED_REASON, uncounted)
+            logger.warning(
+                "%s: %d requests on the pool never answered, still running or queued when the "
+                "stop ended (drain deadline or forced stop) [%s]",
+                self.name,
+                uncounted,
+                ABANDONED_REASON,
+            )
+
+    def _counted_by_front_end(self, counted: CountedAtStop) -> bool:
+        if isinstance(counted, bool):
+            return counted
+        try:
+            return counted()
+        except Exception:  # a bug: counted here rather than nowhere
+            logger.exception("%s: asking whether a request was counted at the stop failed", self.name)
+            return False
+
     # -- pool hand-off ---------------------------------------------------------------------
 
-    def submit(self, work: Callable[[], Any], done: Done) -> None:
+    def submit(self, work: Callable[[], Any], done: Done, *, counted_at_stop: CountedAtStop = False) -> None:
         """Run ``work`` on the pool; then, on the loop thread, ``done(result, None)`` or
-        ``done(None, exception)``."""
+        ``done(None, exception)``.
+
+        ``counted_at_stop`` (a flag, or a question asked at the loop's end) says whether
+        the front end counts the request itself if the stop gives up on it before ``done``
+        runs; if not, the router counts it (:meth:`_count_abandoned`)."""
 
         token = object()  # this request's span in DATA_PLANE
 
@@ -436,6 +478,7 @@ class RouterLoop:
             self._wake()
 
         self.in_pool += 1
+        self._unanswered[token] = counted_at_stop
         DATA_PLANE.begin(token)
         self._pool.submit(run)
 
@@ -443,6 +486,7 @@ class RouterLoop:
         while self._completions:
             done, result, error, token = self._completions.popleft()
             self.in_pool -= 1
+            self._unanswered.pop(token, None)
             DATA_PLANE.end(token)
             try:
                 done(result, error)

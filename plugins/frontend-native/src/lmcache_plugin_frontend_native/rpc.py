@@ -233,7 +233,8 @@ class RpcServer:
             assert error is not None
             self._fail_with(identity, request.req_id, error, _store_keys(request))
 
-        self.router.submit(deferred.work, done)
+        # Every pool request is a PoolRequest: the stop counts those it gives up on.
+        self.router.submit(deferred.work, done, counted_at_stop=True)
 
     def _finish(self, identity: bytes, req_id: int, finish: Finish, store_keys: int) -> None:
         """Send what ``finish`` builds (nothing for None: answered already), or refuse the
