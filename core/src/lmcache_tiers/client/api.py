@@ -139,6 +139,10 @@ class Client(Connection):
         self._segment: MappedSegment | None = None
         # how many open retrieve blocks of this client read each key (see _stop_reading)
         self._reading: Counter[ObjectKey] = Counter()
+        # for each key an open block reads, the newest connection a block of it took its
+        # locks over (the drops seen before, see _leased): the last block out releases over
+        # that one, which may be newer than its own (see _stop_reading)
+        self._newest_lease: dict[ObjectKey, int] = {}
         self._shm = shm
         # the HELLO whose segment is mapped (a server that restarted offers another one)
         self._mapped_from: p.HelloReply | None = None
@@ -705,6 +709,11 @@ class Client(Connection):
         of another server's): whether the locks went with a dropped connection is told by
         the drops seen since, not by the exception.  No drop seen between that count and
         the reply's check goes unnoticed (``_acquire`` raises ``_ServerChanged``)."""
+        with self._lock:
+            newest = self._newest_lease
+            for key in keys:
+                if newest.get(key, -1) < taken_over:
+                    newest[key] = taken_over
         try:
             yield
         except BaseException as exc:
@@ -721,19 +730,34 @@ class Client(Connection):
         the client holds on a key, so blocks of the same keys that overlap -- on threads
         sharing the client, or nested -- would end each other's leases, and their extents
         could change hands under the views still read: the last block out releases them.
-        Under the lock throughout, so that no block starts or ends in between."""
+        Under the lock throughout, so that no block starts or ends in between.
+
+        The last block out may have taken its locks over a connection that dropped since,
+        while a block that left before it took the same keys' locks over the next one:
+        those are released over that connection rather than left to the lock TTL, so
+        the locks go by the newest connection any block of the key took them over."""
         with self._lock:
             self._reading.subtract(keys)
             free = [key for key in dict.fromkeys(keys) if self._reading[key] <= 0]
+            by_connection: dict[int | None, list[ObjectKey]] = {}
             for key in free:
                 del self._reading[key]
-            if failure is not None:
-                self._give_back(free, failure, taken_over)
-            elif free and not self._closed:
-                if taken_over is not None and self._link_dropped_since(taken_over):
-                    self._locks_left_to_ttl(len(free))
-                else:
-                    self._release_on_leaving(free)
+                # never older than this block's own: it was noted as it started (_leased)
+                newest = self._newest_lease.pop(key, taken_over)
+                by_connection.setdefault(newest, []).append(key)
+            for taken_over_last, group in by_connection.items():
+                self._leave(group, failure, taken_over_last)
+
+    def _leave(self, keys: list[ObjectKey], failure: BaseException | None, taken_over: int | None) -> None:
+        """``_stop_reading``'s give-back of ``keys``, whose newest locks were taken after
+        ``taken_over`` drops (None: not known, see ``_give_back``)."""
+        if failure is not None:
+            self._give_back(keys, failure, taken_over)
+        elif keys and not self._closed:
+            if taken_over is not None and self._link_dropped_since(taken_over):
+                self._locks_left_to_ttl(len(keys))
+            else:
+                self._release_on_leaving(keys)
 
     def _link_dropped_since(self, taken_over: int) -> bool:
         """Whether the connection that took locks after ``taken_over`` drops has dropped."""
