@@ -201,12 +201,11 @@ class ReadLocks:
         # Deduplicated by object identity (a cheap hash, in C) rather than by key: one
         # READY object per key, so equal objects are exactly equal keys.
         if len(set(prefix)) == len(prefix):
-            # The objects' own keys, not the caller's equal ones: those are the very key
-            # objects the listeners were told when the objects were written, so an eviction
-            # policy finds each in its own dict by identity.  A caller's key (decoded from
-            # a request) is only equal, and comparing two keys field by field costs more
-            # than this pass.
-            read = list(map(_KEY_OF, prefix))
+            # The caller's keys equal the objects' own: no pass to fetch those.  (With the
+            # objects' own the eviction policy finds each by identity, fewer instructions,
+            # yet a served 512-key lookup took ~15% longer: the caller's keys were just
+            # decoded and are in the cache, the objects' own are not.)
+            read = keys[: len(prefix)] if type(keys) is list else list(keys[: len(prefix)])
             if len(prefix) == len(keys):
                 # Copies of their own: the caller may change its list, the listeners the
                 # ``read`` they are told, and the caller keeps ``prefix``.
