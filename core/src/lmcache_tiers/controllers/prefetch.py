@@ -7,7 +7,10 @@ One request goes through::
     plan     prefetch policy picks a source per key; the plan is trimmed to its contiguous
              prefix and L1 extents are reserved (evicting, or loading fewer, if L1 is full)
     phase 1  pins of keys that will not be loaded are dropped, loads are submitted
-    phase 2  each load's pins are dropped when its result arrives
+    phase 2  each load's pins are dropped when its result arrives; a key its adapter
+             failed to load is loaded again from the next adapter whose lookup found it
+             at the same size (its pins there were kept for that), each adapter tried
+             once, until one loads it or none is left
     hand-off loaded objects become READY and read-locked in one step; failed keys and
              everything after the first gap are freed; the hit count is L1 hits plus the
              contiguous prefix actually loaded
@@ -83,6 +86,7 @@ class PrefetchController(ControllerThread):
         self._policy_log = PolicyFailureLog(logger, "prefetch_policy_error")
         self._timed_out = BurstLog(logger, "prefetch_timed_out")
         self._failed_loads = BurstLog(logger, "l2_load_failed")
+        self._fallbacks = BurstLog(logger, "l2_load_fallback")
         # controller thread only:
         self._claimed: Counter[ObjectKey] = Counter()  # keys an active request may load
         self._lookups = TaskTracker[PrefetchRequest, LookupResult](
@@ -368,13 +372,17 @@ class PrefetchController(ControllerThread):
         sources = contiguous_sources(keys, plan, request.found)
         self._count_planned_misses(request, plan, len(sources))
         self._locks.reserve_planned(request, sources, temporary=temporary)
-        # Phase 1: drop pins of everything that will not be loaded from that adapter.
+        # Phase 1: drop pins of everything that will not be loaded from that adapter, nor
+        # loaded from it should its source fail to load it.
         to_load = request.loads_by_adapter()
+        request.spares = request.spare_sources()
         for index in list(request.pinned):
             keep = set(to_load.get(index, ()))
+            keep.update(key for key, spares in request.spares.items() if index in spares)
             self._locks.unpin(request, index, [key for key in request.pinned[index] if key not in keep])
         for index, load_keys in to_load.items():
-            self._submit_load(request, self.slots[index], load_keys)
+            if not self._submit_load(request, self.slots[index], load_keys):
+                self._load_elsewhere(request, load_keys)
         if not request.loads:
             self._hand_off(request)
 
@@ -433,7 +441,9 @@ class PrefetchController(ControllerThread):
             count=missed,
         )
 
-    def _submit_load(self, request: PrefetchRequest, slot: AdapterSlot, keys: list[ObjectKey]) -> None:
+    def _submit_load(self, request: PrefetchRequest, slot: AdapterSlot, keys: list[ObjectKey]) -> bool:
+        """Submit a load of ``keys`` into their reserved L1 objects; False if it could not
+        be (counted, logged, and the keys' pins on ``slot`` dropped)."""
         objects = [request.reserved[key] for key in keys]
         try:
             loans = [self.l1.lend(obj, fill=True) for obj in objects]
@@ -444,10 +454,61 @@ class PrefetchController(ControllerThread):
                 "l2_load_submit_error", slot, f"load of {len(keys)} keys could not be submitted", exc
             )
             self._locks.unpin(request, slot.index, keys)
-            return
-        request.loads[slot.index] = task_id
-        self._loads.track(slot, task_id, PrefetchLoad(request, keys, objects, loans))
+            return False
+        request.loads.add((slot.index, task_id))
+        self._loads.track(slot, task_id, PrefetchLoad(request, (slot.index, task_id), keys, objects, loans))
         self.stats.add_adapter(slot.index, "load_tasks_submitted")
+        return True
+
+    def _load_elsewhere(self, request: PrefetchRequest, keys: list[ObjectKey]) -> None:
+        """Load ``keys``, which their adapter failed to load (or to take a load of), from
+        the next of their spare adapters; those that have none left stay failed, a miss.
+
+        Each key's L1 object is the one reserved for it, filled by one load at a time: the
+        load that failed has reported, so its adapter is done with the buffer, and the next
+        fills it whole (a spare found the key at the reserved size) or fails in its turn.
+        Its bytes become readable only through a load that reports them loaded, as any
+        load's do.  Each spare is tried once, so this ends within the adapters' count, and
+        within the request's result deadline, at which a load still running is given up.
+        """
+        pending = keys
+        while pending:
+            by_adapter: dict[int, list[ObjectKey]] = {}
+            for key in pending:
+                spares = request.spares.get(key)
+                if spares:
+                    by_adapter.setdefault(spares.pop(0), []).append(key)
+                else:
+                    request.spares.pop(key, None)
+            pending = []
+            for index, group in by_adapter.items():
+                slot = self.slots[index]
+                self.stats.fail("l2_load_fallback", len(group))
+                self._fallbacks.warn(
+                    slot.name,
+                    "%d keys another adapter failed to load are loaded from %s instead (failure "
+                    "reason l2_load_fallback)",
+                    len(group),
+                    slot.name,
+                    count=len(group),
+                )
+                self._set_sources(request, group, index)
+                if not self._submit_load(request, slot, group):
+                    pending.extend(group)
+
+    def _set_sources(self, request: PrefetchRequest, keys: list[ObjectKey], index: int) -> None:
+        positions = {key: position for position, key in enumerate(request.remaining[: len(request.sources)])}
+        for key in keys:
+            request.sources[positions[key]] = index
+
+    def _drop_spares(self, request: PrefetchRequest, keys: Iterable[ObjectKey]) -> None:
+        """``keys`` need no other adapter any more: their pins there go."""
+        by_adapter: dict[int, list[ObjectKey]] = {}
+        for key in keys:
+            for index in request.spares.pop(key, ()):
+                by_adapter.setdefault(index, []).append(key)
+        for index, spare_keys in by_adapter.items():
+            self._locks.unpin(request, index, spare_keys)
 
     def _adapter_failed(self, reason: str, slot: AdapterSlot, what: str, exc: Exception) -> None:
         """Log an adapter call that raised (counted under ``reason`` by the caller): one
@@ -485,7 +546,17 @@ class PrefetchController(ControllerThread):
         self.stats.add_adapter(slot.index, "keys_loaded", len(loaded))
         if len(loaded) < len(keys):
             self._count_failed_loads(slot, len(keys) - len(loaded))
-        del request.loads[slot.index]
+        request.loads.discard(load.task)
+        if request.spares:
+            # A key the adapter did not report loaded may be another's to load; one it
+            # reported loaded is settled, even if the copy into L1 failed (L1's failure,
+            # which another adapter's bytes would meet too).
+            flags = list(reported)
+            failed = [
+                key for position, key in enumerate(keys) if position >= len(flags) or not flags[position]
+            ]
+            self._drop_spares(request, set(keys).difference(failed))
+            self._load_elsewhere(request, failed)
         if not request.loads:
             self._hand_off(request)
 
@@ -496,8 +567,9 @@ class PrefetchController(ControllerThread):
         self.stats.fail("l2_load_failed", failed)
         self._failed_loads.warn(
             slot.name,  # per adapter: one failing must not hide another's failures for a window
-            "%s: %d keys its lookup found failed to load (failure reason l2_load_failed): a miss, the "
-            "prefix ends at the first; the adapter's stats (adapter_stat, e.g. load_keys_failed, "
+            "%s: %d keys its lookup found failed to load (failure reason l2_load_failed): each is a "
+            "miss, ending the prefix, unless another adapter that found it loads it "
+            "(l2_load_fallback); the adapter's stats (adapter_stat, e.g. load_keys_failed, "
             "serde_decode_failures, corrupt_records_removed) and its log lines say why",
             slot.name,
             failed,
@@ -505,6 +577,10 @@ class PrefetchController(ControllerThread):
         )
 
     def _hand_off(self, request: PrefetchRequest) -> None:
+        # Every key's spares were dropped when it loaded or ran out of them: none is left
+        # pinned here, but a pin kept past its request would hold the key in L2 for good.
+        request.spares.clear()
+        self._locks.release_pins(request)
         cut = self._locks.hand_off(request, request.not_before)
         l2_hits = sum(1 for source in request.sources[:cut] if source is not None)
         self.stats.add("l2_hit_chunks", l2_hits)
@@ -548,11 +624,11 @@ class PrefetchController(ControllerThread):
             )
         for index, task_id in request.lookups.items():
             self._lookups.orphan(index, task_id, self._settle_orphan_lookup)
-        loading: set[ObjectKey] = set()
-        for index, task_id in request.loads.items():
+        loading: dict[int, set[ObjectKey]] = {}
+        for index, task_id in request.loads:
             load = self._loads.orphan(index, task_id, self._settle_orphan_load)
             if load is not None:
-                loading.update(load.keys)
+                loading.setdefault(index, set()).update(load.keys)
         request.lookups.clear()
         request.loads.clear()
         self._locks.release_all(request, loading, request.not_before)

@@ -199,14 +199,19 @@ class PrefetchLocks:
     # -- giving up -----------------------------------------------------------------------
 
     def release_all(
-        self, request: PrefetchRequest, loading: set[ObjectKey], not_before: float | None
+        self, request: PrefetchRequest, loading: dict[int, set[ObjectKey]], not_before: float | None
     ) -> None:
-        """Release everything an abandoned request holds, except the pins and reservations
-        of ``loading`` keys, whose loads are still running (they settle when those report).
-        ``not_before`` bounds the deadlines of its read locks (see :meth:`release_read`)."""
+        """Release everything an abandoned request holds, except the reservations of the
+        keys still loading and their pins on the adapters loading them (``loading``: keys
+        by adapter index), which settle when those loads report.  A loading key's pins on
+        its spare adapters go now: nothing settles them later.  ``not_before`` bounds the
+        deadlines of its read locks (see :meth:`release_read`)."""
         for index in list(request.pinned):
-            self.unpin(request, index, [key for key in request.pinned[index] if key not in loading])
-        self.abort(request, [key for key in request.reserved if key not in loading])
+            busy = loading.get(index, set())
+            self.unpin(request, index, [key for key in request.pinned[index] if key not in busy])
+        request.spares.clear()
+        still_filled = set().union(*loading.values()) if loading else set()
+        self.abort(request, [key for key in request.reserved if key not in still_filled])
         self.release_read(
             request.keys[: request.l1_hits] + request.found_in_l1(), request.readers, not_before
         )

@@ -42,7 +42,11 @@ class PrefetchRequest:
     # from, or None for a key found READY in L1 meanwhile (read-locked like a hit)
     sources: list[int | None] = field(default_factory=list)
     reserved: dict[ObjectKey, L1Object] = field(default_factory=dict)  # write-locked
-    loads: dict[int, int] = field(default_factory=dict)  # adapter index -> task id
+    #: per key being loaded, the other adapters (cascade order) whose lookup found it at
+    #: the size its L1 object was reserved with, still pinned for it: where a failed load
+    #: of it is tried next (``spare_sources``)
+    spares: dict[ObjectKey, list[int]] = field(default_factory=dict)
+    loads: set[tuple[int, int]] = field(default_factory=set)  # (adapter index, task id)
     loaded: set[ObjectKey] = field(default_factory=set)
     layouts: dict[ObjectKey, str] = field(default_factory=dict)  # loaded keys' stored layouts
 
@@ -62,6 +66,30 @@ class PrefetchRequest:
             if source is not None:
                 to_load.setdefault(source, []).append(key)
         return to_load
+
+    def spare_sources(self) -> dict[ObjectKey, list[int]]:
+        """Per key of the usable prefix that loads from an adapter, the other adapters whose
+        lookup found it with the size its source reported: its L1 object was reserved with
+        that size, so any of them can fill it whole.  One of another size (another format
+        or layout) cannot, and is no spare."""
+        spares: dict[ObjectKey, list[int]] = {}
+        if len(self.found) < 2:
+            return spares
+        positions = sorted(self.found)
+        for position, (key, source) in enumerate(zip(self.remaining, self.sources, strict=False)):
+            if source is None:
+                continue
+            size = self.found[source].sizes[position]
+            others = [
+                index
+                for index in positions
+                if index != source
+                and self.found[index].found[position]
+                and self.found[index].sizes[position] == size
+            ]
+            if others:
+                spares[key] = others
+        return spares
 
     def found_in_l1(self) -> list[ObjectKey]:
         """Keys of the usable prefix found READY in L1 after the start (read-locked)."""
@@ -84,6 +112,7 @@ class PrefetchRequest:
 @dataclass(eq=False)
 class PrefetchLoad:
     request: PrefetchRequest
+    task: tuple[int, int]  # (adapter index, task id), as in ``request.loads``
     keys: list[ObjectKey]
     objects: list[L1Object]  # reserved as loads, one per key
     loans: list[L1Loan]  # what the adapter fills, one per key; committed on success
