@@ -5,9 +5,10 @@ clients' sessions each let what a TTL ended hold memory, or count, until they ru
 fixed period is either too slow for a short TTL (an expired lock holding L1 space for
 several of its TTLs) or wakes needlessly often for a long one.  So each runs at a
 fraction of the shortest TTL it enforces, within bounds: what expires is reaped at most
-that fraction of its TTL late -- unless the sweep itself is slow (an L1 holding a hundred
-thousand locks takes a good part of a second to walk them, under the lock every write and
-read needs): then its own cost spaces it out (:func:`next_sweep_at`).
+that fraction of its TTL late -- unless the sweep itself is slow (L1's reap costs what
+expired, under the lock every write and read needs: a hundred thousand locks ending at once
+take a good part of a second; a front end's sweep walks its sessions): then its own cost
+spaces it out (:func:`next_sweep_at`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from collections.abc import Iterable
 
 __all__ = ["SWEEP_COST_FACTOR", "SWEEP_FLOOR_S", "SWEEP_TTL_FRACTION", "next_sweep_at", "sweep_interval"]
 
-#: the shortest period: below it the sweep's own cost (it walks what is locked, under the
-#: L1 lock) would be paid more often than any TTL worth having needs
+#: the shortest period: below it the sweep's own cost (under the L1 lock for L1's reap)
+#: would be paid more often than any TTL worth having needs
 SWEEP_FLOOR_S = 0.05
 #: the sweep runs every this fraction of the shortest TTL (an expired lock is reaped at
 #: most a quarter of its TTL late)
