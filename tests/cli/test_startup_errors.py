@@ -173,6 +173,14 @@ def test_a_host_that_is_not_ours_names_host() -> None:
     assert line == "error: --host 192.0.2.1: not an address of this machine; give one of its addresses"
 
 
+@pytest.mark.parametrize("host", ["192.0.2.1", "nosuchhost.invalid"])
+def test_a_host_that_is_not_ours_names_host_with_port_0_too(host: str) -> None:
+    """Port 0 (any free port) binds only on an address of this machine as well: refused
+    before L1 is built, naming --host, not --port after L1 was pre-faulted."""
+    line = serve_refused(["--no-default-l2", "--host", host, "--auth-token", "t", "--port", "0"])
+    assert line == f"error: --host {host}: not an address of this machine; give one of its addresses", line
+
+
 def test_a_second_default_server_gets_the_hint_on_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -319,8 +319,9 @@ def check_listeners(config: ServerConfig) -> None:
         if host.startswith("ipc://"):
             _check_ipc_path(config, index, host)
             continue
-        if not port:
-            continue  # port 0 always binds
+        # Port 0 is probed too: any free port binds, but only on an address of this
+        # machine, and a name that resolves to none failed the real bind after L1 was
+        # pre-faulted, naming the port.
         try:
             _probe_bind(host, port)
         except OSError as exc:
