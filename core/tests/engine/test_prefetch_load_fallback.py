@@ -153,3 +153,31 @@ def test_keys_an_adapter_refuses_to_take_a_load_of_are_loaded_from_the_next(engi
     assert failures["l2_load_fallback"] == 3
     assert storage.status()["adapters"][1]["keys_loaded"] == 3
     settled(storage)
+
+
+def test_a_key_a_client_wrote_meanwhile_does_not_cost_the_others_their_fallback(engine) -> None:
+    """Both keys fail on the first adapter; while that load runs, a client writes the second
+    one, taking its reservation from the load.  The first key still loads from the next
+    adapter: the second, no longer the request's to fill, is not tried, and is no load the
+    next adapter was refused."""
+    storage = engine([gated(), gated()])
+    keys = keys_of(7, 2)
+    in_every_adapter(storage, keys)
+    first = gated_backend(storage, 0)
+    first.fail_loads.update(keys)
+    first.gate.clear()
+
+    handle = storage.submit_prefetch(keys)
+    assert first.loads_started.acquire(timeout=10)
+    assert store(storage, keys[1:], SIZE) == keys[1:], "the client's write took the load's reservation"
+    first.gate.set()
+    hits = storage.wait_prefetch(handle, 10)
+    assert hits == 1, "the key the next adapter holds was not loaded from it"
+    for obj in storage.read(keys[:1]):
+        assert bytes(storage.view(obj)) == payload(obj.key, SIZE)
+    storage.release(keys[:1], 2)
+    failures = storage.status()["failures"]
+    assert "l2_load_submit_error" not in failures, "L1's reservation gone, counted as the adapter's refusal"
+    assert failures["l2_load_fallback"] == 1
+    assert failures["l2_load_failed"] == 2
+    settled(storage)

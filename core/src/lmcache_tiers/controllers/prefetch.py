@@ -474,12 +474,17 @@ class PrefetchController(ControllerThread):
         pending = keys
         while pending:
             by_adapter: dict[int, list[ObjectKey]] = {}
+            given_up: list[ObjectKey] = []
             for key in pending:
                 spares = request.spares.get(key)
-                if spares:
+                if spares and self.l1.get(key) is request.reserved[key]:
                     by_adapter.setdefault(spares.pop(0), []).append(key)
                 else:
-                    request.spares.pop(key, None)
+                    given_up.append(key)
+            # A reservation no longer in L1 (a client's write of the key took it, counted
+            # l1_load_taken_over_by_write; a clear) is no load's to fill: tried with the
+            # others, it would fail their whole submit, blamed on the adapter.
+            self._drop_spares(request, given_up)
             pending = []
             for index, group in by_adapter.items():
                 slot = self.slots[index]
