@@ -17,9 +17,9 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import aiobotocore.session
@@ -217,6 +217,41 @@ _BAD_AWS_SETTINGS = (
 )
 
 
+#: what the start-up check's wait allows, past its two bounded steps, for closing its client
+_PROBE_CLOSE_S = 5.0
+
+
+class _CredentialsHang(Exception):
+    """The start-up check's credentials were not resolved within ``request_timeout_s``."""
+
+
+def _run_probe(probe: Callable[[], Coroutine[Any, Any, None]], outcome: list[BaseException | None]) -> None:
+    """The start-up check on its own thread and event loop; ``outcome`` gets None, or what
+    it raised.  A process the check started (a credential_process) still running at its
+    end is killed, while the loop can still close its pipes: the check gave up on it."""
+    with asyncio.Runner() as runner:
+        loop = runner.get_loop()
+        started: list[asyncio.SubprocessTransport] = []
+        subprocess_exec = loop.subprocess_exec
+
+        async def recorded_exec(*args: Any, **kwargs: Any) -> Any:
+            transport, protocol = await subprocess_exec(*args, **kwargs)
+            started.append(transport)
+            return transport, protocol
+
+        loop.subprocess_exec = recorded_exec  # type: ignore[method-assign]
+        try:
+            runner.run(probe())
+        except BaseException as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+        finally:
+            for transport in started:
+                transport.close()  # kills the process if it still runs
+            runner.run(asyncio.sleep(0))  # the pipes' closing callbacks
+
+
 def check_bucket(config: S3Config, name: str) -> bool:
     """Ask the bucket for one listed object before the adapter is built; False if the
     store did not answer.
@@ -226,7 +261,9 @@ def check_bucket(config: S3Config, name: str) -> bool:
     the environment, no credentials at all) are configuration mistakes: a ``ConfigError``, so the server stops
     with one line -- every request would fail until a restart.  A store that does not
     answer is not: the adapter starts, its requests fail (counted) until the store is
-    back, and the server serves from L1 meanwhile.
+    back, and the server serves from L1 meanwhile.  Credentials the AWS chain does not
+    resolve within ``request_timeout_s`` (a credential_process that hangs) are a
+    ``ConfigError`` too: every request would wait on them the same way.
     """
     # One attempt, briefly: a store too slow to answer this is reported, not waited for.
     patience = config.connect_timeout_s + min(config.read_timeout_s, _PROBE_READ_S)
@@ -237,15 +274,40 @@ def check_bucket(config: S3Config, name: str) -> bool:
     async def probe() -> None:
         client = S3Client(quick, name)
         try:
-            await client.open()
+            try:
+                # Resolving the credentials (a credential_process, SSO, an instance role)
+                # is bounded by nothing of botocore's.
+                await asyncio.wait_for(client.open(), config.request_timeout_s)
+            except asyncio.TimeoutError:
+                raise _CredentialsHang from None
             prefix = f"{config.prefix}/" if config.prefix else ""
             await client.call("list_objects_v2", Prefix=prefix, Delimiter="/", MaxKeys=1)
         finally:
             await client.close()
 
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"l2-{name}-probe") as pool:
+    # Both steps are bounded; the wait is too, for a provider that blocks the probe's event
+    # loop.  A daemon thread: one left hanging must not hold the process's exit.
+    bound = config.request_timeout_s + quick.request_timeout_s + _PROBE_CLOSE_S
+    outcome: list[BaseException | None] = []
+    checking = threading.Thread(
+        target=_run_probe, args=(probe, outcome), name=f"l2-{name}-probe", daemon=True
+    )
+    checking.start()
+    checking.join(bound)
+    if not outcome:
+        raise ConfigError(
+            f"{name}: the start-up check of s3://{config.bucket}/{config.prefix} at "
+            f"{_endpoint_label(config)} did not end within {bound:g} s (request_timeout_s="
+            f"{config.request_timeout_s:g} twice, and the close): start-up stopped"
+        )
+    if outcome[0] is not None:
         try:
-            pool.submit(asyncio.run, probe()).result()
+            raise outcome[0]
+        except _CredentialsHang:
+            raise ConfigError(
+                f"{name}: no AWS credentials within request_timeout_s={config.request_timeout_s:g}: "
+                "the credential chain (a credential_process, SSO, an instance role) did not return"
+            ) from None
         except FileNotFoundError as exc:
             if error_code(exc) == "NoSuchBucket":
                 raise ConfigError(
