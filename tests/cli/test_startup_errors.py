@@ -173,12 +173,22 @@ def test_a_host_that_is_not_ours_names_host() -> None:
     assert line == "error: --host 192.0.2.1: not an address of this machine; give one of its addresses"
 
 
-@pytest.mark.parametrize("host", ["192.0.2.1", "nosuchhost.invalid"])
-def test_a_host_that_is_not_ours_names_host_with_port_0_too(host: str) -> None:
+def test_a_host_that_is_not_ours_names_host_with_port_0_too() -> None:
     """Port 0 (any free port) binds only on an address of this machine as well: refused
     before L1 is built, naming --host, not --port after L1 was pre-faulted."""
-    line = serve_refused(["--no-default-l2", "--host", host, "--auth-token", "t", "--port", "0"])
-    assert line == f"error: --host {host}: not an address of this machine; give one of its addresses", line
+    line = serve_refused(["--no-default-l2", "--host", "192.0.2.1", "--auth-token", "t", "--port", "0"])
+    assert line == "error: --host 192.0.2.1: not an address of this machine; give one of its addresses", line
+
+
+@pytest.mark.parametrize("token", [[], ["--auth-token", "t"]])
+@pytest.mark.parametrize("flag", ["--host", "--metrics-host"])
+def test_a_host_naming_no_address_is_refused_as_such(flag: str, token: list[str]) -> None:
+    """A mistyped name is said to be one, not taken for a remote address that needs an auth
+    token (without one) or for an address of another machine (with one)."""
+    ports = ["--port", "0", "--metrics-port", str(free_port()) if flag == "--metrics-host" else "0"]
+    line = serve_refused(["--no-default-l2", flag, "nosuchhost.invalid", *ports, *token])
+    assert line.startswith(f"error: {flag} nosuchhost.invalid: names no address ("), line
+    assert "auth" not in line and "give an address or a name this machine resolves" in line, line
 
 
 def test_a_second_default_server_gets_the_hint_on_one_line(

@@ -28,6 +28,7 @@ import logging
 import os
 import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -54,7 +55,13 @@ from lmcache_tiers.server.heap import start_up_heap_frozen
 from lmcache_tiers.server.http import HttpEndpoint
 from lmcache_tiers.server.logs import configure_logging
 from lmcache_tiers.server.metrics import TiersCollector, build_registry, render
-from lmcache_tiers.server.preflight import listen_error, open_files_limit, open_files_refusal, preflight
+from lmcache_tiers.server.preflight import (
+    listen_error,
+    listener_setting,
+    open_files_limit,
+    open_files_refusal,
+    preflight,
+)
 from lmcache_tiers.server.priority import request_threads_favoured
 from lmcache_tiers.server.thread_crashes import ThreadCrashes
 from lmcache_tiers.wire import protocol as p
@@ -111,6 +118,30 @@ def check_metrics_host(config: ServerConfig, token: str | None) -> None:
         )
 
 
+def check_hosts_resolve(config: ServerConfig) -> None:
+    """A listener's host naming no address (``locahost``) is refused as such: read as "not
+    loopback", it was told to add an auth token, and with one, that it is not an address
+    of this machine."""
+    listeners: list[tuple[int | None, str]] = [
+        (index, spec.config.address(config)[0]) for index, spec in enumerate(config.frontends)
+    ]
+    if config.metrics_port:
+        listeners.append((None, config.metrics_host))
+    for index, host in listeners:
+        if "://" in host or host in ("", "*"):
+            continue  # an ipc:// path, or a scheme refused elsewhere; "*": every address
+        try:
+            socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
+        # UnicodeError (a ValueError): a label IDNA refuses; ValueError: a NUL
+        except (socket.gaierror, ValueError) as exc:
+            reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+            raise SettingRefused(
+                listener_setting(config, index, "host"),
+                host,
+                f"names no address ({reason}); give an address or a name this machine resolves",
+            ) from None
+
+
 def check_l1_geometry(config: ServerConfig) -> None:
     """What the L1 asks for that no machine gives: room for one extent, a segment directory
     given by an absolute path, and for an NVMe L1 an alignment ``O_DIRECT`` transfers take."""
@@ -135,6 +166,7 @@ def check_l1_geometry(config: ServerConfig) -> None:
 def check_serving(config: ServerConfig, token: str | None) -> None:
     """Every check that needs neither L1 nor a socket (``serve --print-config`` runs them too)."""
     check_l1_geometry(config)
+    check_hosts_resolve(config)
     check_frontends(config, token)
     check_metrics_host(config, token)
 
