@@ -118,8 +118,9 @@ def test_a_copy_of_another_size_is_not_loaded_in_place_of_a_failed_one(engine) -
 def test_a_request_given_up_during_a_fallback_load_drops_every_pin(engine) -> None:
     """The key loads from its second adapter, which hangs; the third, its other spare,
     keeps its pin until the request is given up at its deadline, and loses it then."""
-    # Results are kept half the lock TTL: the prefetch is given up 2 s after it starts.
-    storage = engine([gated(), gated(), gated()], l1_lock_ttl_s=4.0)
+    # Results are kept half the lock TTL: the prefetch is given up 4 s after it starts,
+    # time enough for the failed load to report and the fallback to start on a busy machine.
+    storage = engine([gated(), gated(), gated()], l1_lock_ttl_s=8.0)
     keys = keys_of(5, 2)
     in_every_adapter(storage, keys)
     gated_backend(storage, 0).fail_loads.add(keys[0])
