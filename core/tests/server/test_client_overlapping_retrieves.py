@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable
 
 import numpy as np
 
 from lmcache_tiers.client import Client
-from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.testing.server import until_reachable
@@ -66,20 +64,9 @@ def test_nested_retrieve_blocks_of_the_same_keys_keep_the_outer_ones_locks(serve
         assert _locked_keys(client) == 0
 
 
-def _restart_at_the_same_port(first: TiersServer, make_server: Callable[..., TiersServer]) -> TiersServer:
-    port = int(first.endpoint.rsplit(":", 1)[1])
-    first.request_stop()
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            return make_server(port=port)
-        except ConfigError:
-            assert time.monotonic() < deadline, "the port of the stopped server never came free"
-            time.sleep(0.1)  # the first one's port is still being given back
-
-
 def test_the_last_block_out_over_a_dropped_connection_releases_the_locks_of_the_next_one(
     make_server: Callable[..., TiersServer],
+    restart_at_the_same_port: Callable[[TiersServer], TiersServer],
 ) -> None:
     """An outer block took its locks over a connection that dropped (the server restarted);
     an inner block of the same keys took its own over the next connection and left first,
@@ -91,7 +78,7 @@ def test_the_last_block_out_over_a_dropped_connection_releases_the_locks_of_the_
         keys, payloads = _stored(client, 3, 11)
         with client.retrieve(keys) as outer:
             assert [bytes(view) for view in outer] == payloads
-            _restart_at_the_same_port(first, make_server)
+            restart_at_the_same_port(first)
             until_reachable(client)
             fresh = [bytes([0xF0 + index]) * SIZE for index in range(len(keys))]
             assert client.store(keys, fresh) == len(keys)

@@ -9,29 +9,15 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import time
 from collections.abc import Callable
 from typing import NoReturn
 
 import pytest
 
 from lmcache_tiers.client import Client, api
-from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.testing.server import until_reachable
-
-
-def _restart_at_the_same_port(first: TiersServer, make_server: Callable[..., TiersServer]) -> TiersServer:
-    port = int(first.endpoint.rsplit(":", 1)[1])
-    first.request_stop()
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            return make_server(port=port)
-        except ConfigError:
-            assert time.monotonic() < deadline, "the port of the stopped server never came free"
-            time.sleep(0.1)  # the first one's port is still being given back
 
 
 def _no_address_space(*args: object, **kwargs: object) -> NoReturn:
@@ -39,13 +25,16 @@ def _no_address_space(*args: object, **kwargs: object) -> NoReturn:
 
 
 def test_a_restarted_servers_segment_that_cannot_be_mapped_is_said_once_and_bytes_go_inline(
-    make_server: Callable[..., TiersServer], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    make_server: Callable[..., TiersServer],
+    restart_at_the_same_port: Callable[[TiersServer], TiersServer],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     first = make_server()
     client = Client(first.endpoint, timeout=5.0)
     try:
         assert client.uses_shm
-        _restart_at_the_same_port(first, make_server)
+        restart_at_the_same_port(first)
         monkeypatch.setattr(api, "MappedSegment", _no_address_space)
         until_reachable(client)
         keys = [ObjectKey("unit", 0, os.urandom(8)) for _ in range(3)]

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from lmcache_tiers.client import Client
-from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Arena
 from lmcache_tiers.server.app import TiersServer
@@ -265,21 +264,11 @@ def test_the_population_pass_is_over_before_the_last_user_unmaps(
     assert after_unmap == []
 
 
-def _restart_at_the_same_port(first: TiersServer, make_server: Callable[..., TiersServer]) -> TiersServer:
-    port = int(first.endpoint.rsplit(":", 1)[1])
-    first.request_stop()
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            return make_server(port=port)
-        except ConfigError:
-            assert time.monotonic() < deadline, "the port of the stopped server never came free"
-            time.sleep(0.1)  # the first one's port is still being given back
-
-
 @pytest.mark.parametrize("operation", ["retrieve_into", "store"])
 def test_offsets_of_a_restarted_server_never_go_to_the_old_mapping_when_another_thread_greets_it(
-    make_server: Callable[..., TiersServer], operation: str
+    make_server: Callable[..., TiersServer],
+    restart_at_the_same_port: Callable[[TiersServer], TiersServer],
+    operation: str,
 ) -> None:
     """The server restarts after this thread took the mapping for a request, and another
     thread of the same client greets the new server before this one looks at the reply:
@@ -299,7 +288,7 @@ def test_offsets_of_a_restarted_server_never_go_to_the_old_mapping_when_another_
 
         def restart_then_let_another_thread_greet(request: p._Request, *args: Any, **kwargs: Any) -> Any:
             if isinstance(request, (p.Retrieve, p.StoreReserve)) and not servers:
-                servers.append(_restart_at_the_same_port(first, make_server))
+                servers.append(restart_at_the_same_port(first))
                 with Client(servers[0].endpoint, timeout=5.0, shm=False) as writer:
                     if operation == "retrieve_into":
                         assert writer.store([key], [fresh]) == 1
