@@ -20,6 +20,17 @@ from lmcache_tiers.testing.seaweedfs import SeaweedS3
 
 #: the bucket the tests share; each test works under a prefix of its own
 BUCKET = "tiers-s3-tests"
+#: the environment variables that would give the AWS credential chain credentials of their
+#: own (keys, a profile, a web identity, a container's role): a test of the chain removes them
+AWS_CREDENTIAL_VARIABLES = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+)
 
 
 def fresh_prefix(tag: str) -> str:

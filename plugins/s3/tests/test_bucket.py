@@ -15,7 +15,7 @@ import lmcache_plugin_s3.backend as backend_module
 import pytest
 from flipping_relay import FlippingRelay
 from lmcache_plugin_s3 import S3Config
-from s3_helpers import BUCKET, Raw, blocking, fresh_prefix, open_adapter, s3_config
+from s3_helpers import AWS_CREDENTIAL_VARIABLES, BUCKET, Raw, blocking, fresh_prefix, open_adapter, s3_config
 
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
@@ -299,15 +299,7 @@ def test_aws_settings_no_request_can_use_stop_start_up(
 ) -> None:
     # The store answers; every request would still fail until a restart, so these are
     # configuration mistakes like a missing bucket, not a store that may come back.
-    for variable in (
-        "AWS_ACCESS_KEY_ID",
-        "AWS_SECRET_ACCESS_KEY",
-        "AWS_SESSION_TOKEN",
-        "AWS_PROFILE",
-        "AWS_WEB_IDENTITY_TOKEN_FILE",
-        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
-        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
-    ):
+    for variable in AWS_CREDENTIAL_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role asked off this machine
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))

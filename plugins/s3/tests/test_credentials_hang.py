@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from lmcache_plugin_s3 import S3Config
-from s3_helpers import fresh_prefix, open_adapter, s3_config
+from s3_helpers import AWS_CREDENTIAL_VARIABLES, fresh_prefix, open_adapter, s3_config
 
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.testing.seaweedfs import SeaweedS3
@@ -25,16 +25,6 @@ from lmcache_tiers.testing.threads import DEADLINE_S, joined, wait_until
 CLI = [sys.executable, "-m", "lmcache_tiers.cli.main"]
 #: what the hanging credential_process sleeps: longer than any wait of these tests
 HANG_S = 600
-#: the variables that would give the AWS chain credentials of their own
-_AWS_VARIABLES = (
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_PROFILE",
-    "AWS_WEB_IDENTITY_TOKEN_FILE",
-    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
-    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
-)
 
 
 @contextlib.contextmanager
@@ -48,7 +38,7 @@ def hanging_credential_process(home: Path) -> Iterator[dict[str, str]]:
     aws = home / ".aws"
     aws.mkdir()
     (aws / "config").write_text(f"[default]\ncredential_process = {script}\n")
-    environ = {name: value for name, value in os.environ.items() if name not in _AWS_VARIABLES}
+    environ = {name: value for name, value in os.environ.items() if name not in AWS_CREDENTIAL_VARIABLES}
     environ.update(
         HOME=str(home),
         AWS_CONFIG_FILE=str(aws / "config"),
@@ -83,7 +73,7 @@ def test_a_credential_process_that_never_returns_stops_start_up_with_one_line(
     seaweed: SeaweedS3, l1: memoryview, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     with hanging_credential_process(tmp_path) as environ:
-        for name in _AWS_VARIABLES:
+        for name in AWS_CREDENTIAL_VARIABLES:
             monkeypatch.delenv(name, raising=False)
         for name, value in environ.items():
             monkeypatch.setenv(name, value)
