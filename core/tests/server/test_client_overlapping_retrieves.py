@@ -10,13 +10,16 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+import pytest
 
-from lmcache_tiers.client import Client
+from lmcache_tiers.client import Client, ProtocolError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.testing.server import until_reachable
+from lmcache_tiers.wire import protocol as p
 
 SIZE = 256 << 10
 
@@ -85,6 +88,42 @@ def test_the_last_block_out_over_a_dropped_connection_releases_the_locks_of_the_
             with client.retrieve(keys) as inner:
                 assert [bytes(view) for view in inner] == fresh
             assert _locked_keys(client) == len(keys)  # the outer block reads the keys still
+        assert _locked_keys(client) == 0
+    finally:
+        client.close()
+
+
+def test_a_retrieve_that_fails_last_judges_its_locks_by_its_own_connection(
+    make_server: Callable[..., TiersServer],
+    restart_at_the_same_port: Callable[[TiersServer], TiersServer],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A block took its locks over a connection that dropped; a retrieve of the same keys
+    took its own over the next connection, and failed after that block left.  Its locks
+    are given back over that connection: they were judged by the block's older one
+    (dropped since), left to the lock TTL, their objects pinned in L1."""
+    first = make_server()
+    client = Client(first.endpoint, timeout=5.0)
+    try:
+        keys, _ = _stored(client, 3, 21)
+        outer = client.retrieve(keys)
+        outer.__enter__()
+        restart_at_the_same_port(first)
+        until_reachable(client)
+        assert client.store(keys, [bytes([0xE0 + index]) * SIZE for index in range(len(keys))]) == len(keys)
+        call = client._call
+
+        def locked_then_failed(request: Any, *args: Any, **kwargs: Any) -> Any:
+            reply = call(request, *args, **kwargs)
+            if isinstance(request, p.Retrieve):
+                outer.__exit__(None, None, None)  # the older block leaves first
+                raise ProtocolError("a reply this client cannot use")
+            return reply
+
+        monkeypatch.setattr(client, "_call", locked_then_failed)
+        with pytest.raises(ProtocolError), client.retrieve(keys):
+            pytest.fail("the failed retrieve handed out views")
+        monkeypatch.undo()
         assert _locked_keys(client) == 0
     finally:
         client.close()

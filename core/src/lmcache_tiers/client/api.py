@@ -665,17 +665,18 @@ class Client(Connection):
             taken_over = self._drops
             # Decided per attempt: the server greeted last (a restarted, maybe upgraded,
             # one) is the one that must check them.
-            slots = self._acquire(keys, segment, self._reader_layouts(layouts))
+            slots = self._acquire(keys, segment, taken_over, self._reader_layouts(layouts))
             held.enter_context(attempt.pop_all())
             return segment, slots, taken_over
 
     def _acquire(
-        self, keys: list[ObjectKey], segment: MappedSegment, layouts: list[str] | None = None
+        self, keys: list[ObjectKey], segment: MappedSegment, taken_over: int, layouts: list[str] | None = None
     ) -> list[p.Slot]:
         """Read-lock the hit prefix of ``keys`` (RETRIEVE, part by part) and return its
-        slots in ``segment``; ``layouts``: what the caller reads each object as (see
-        ``_reader_layouts``).  On failure every lock this client holds on ``keys`` is
-        given back (its LOOKUP's too)."""
+        slots in ``segment``; ``taken_over``: the drops seen before (see ``_leased``);
+        ``layouts``: what the caller reads each object as (see ``_reader_layouts``).  On
+        failure every lock this client holds on ``keys`` is given back (its LOOKUP's too),
+        judged by this connection's drops, not by those of a block that left meanwhile."""
         slots: list[p.Slot] = []
         with self._lock:
             self._reading.update(keys)
@@ -694,7 +695,7 @@ class Client(Connection):
                 if len(reply.slots) < len(batch):
                     break
         except BaseException as exc:
-            self._stop_reading(keys, exc)
+            self._stop_reading(keys, exc, taken_over)
             raise
         return slots
 
@@ -742,8 +743,10 @@ class Client(Connection):
             by_connection: dict[int | None, list[ObjectKey]] = {}
             for key in free:
                 del self._reading[key]
-                # never older than this block's own: it was noted as it started (_leased)
-                newest = self._newest_lease.pop(key, taken_over)
+                # A block's own is noted as it starts (_leased); a RETRIEVE failing before
+                # that has only its own, perhaps newer than a block's that left meanwhile.
+                noted = self._newest_lease.pop(key, None)
+                newest = noted if taken_over is None else max(taken_over, -1 if noted is None else noted)
                 by_connection.setdefault(newest, []).append(key)
             for taken_over_last, group in by_connection.items():
                 self._leave(group, failure, taken_over_last)
@@ -937,7 +940,7 @@ class Client(Connection):
         for _ in range(self.STALE_RETRIES + 1):
             rest = keys[done:]
             taken_over = self._drops
-            slots = self._acquire(rest, segment, layouts[done:] if layouts else None)
+            slots = self._acquire(rest, segment, taken_over, layouts[done:] if layouts else None)
             with self._leased(rest, taken_over):
                 copies = list(zip(slots, targets[done:], strict=False))
                 for slot, target in copies:
