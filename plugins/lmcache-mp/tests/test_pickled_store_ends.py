@@ -21,6 +21,7 @@ from mpclient import (
     wait_for,
 )
 
+from lmcache_tiers.router import ABANDONED_REASON
 from lmcache_tiers.server.app import TiersServer
 
 REG = Registration()
@@ -133,3 +134,37 @@ def test_a_copy_raising_after_the_stop_gave_up_on_it_is_counted_once(
     assert stats.store_keys_refused["shutting_down"] == 4
     assert _accounted(server) == 4
     assert storage.status()["l1"]["write_locked"] == 0
+
+
+def test_a_pickled_store_that_ended_unanswered_at_a_forced_stop_is_counted_once(
+    make_mp_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its copy committed, but a forced stop ended the loop before its completion was
+    handled: never answered, its keys counted as stored, and the request counted once as
+    ``pool_request_abandoned``.  It was counted nowhere: the router took every pickled
+    store for one the stop had given up on and counted."""
+    server = make_mp_server(shm=False, allow_pickle=True, workers=1)
+    frontend, transfers = server.frontends[0], server.frontends[0].handlers.transfers
+    ended, go_on = threading.Event(), threading.Event()
+    write = transfers._write_pickled
+
+    def written_then_held(*args: Any) -> None:
+        write(*args)
+        ended.set()
+        go_on.wait(STALL_LIMIT_S)  # its completion comes only after the stop
+
+    monkeypatch.setattr(transfers, "_write_pickled", written_then_held)
+    try:
+        with MPClient(mp_address(server)) as client:
+            client.register(REG)
+            _send_pickled_store(client, 24)
+            assert ended.wait(STALL_LIMIT_S)
+            frontend.stop(force=True)
+            assert frontend.join(30)
+    finally:
+        go_on.set()
+    stats = frontend.stats()
+    assert stats.store_chunks == 4
+    assert stats.failures["mp_shutting_down"] == 0
+    assert stats.failures[ABANDONED_REASON] == 1
+    assert _accounted(server) == 4

@@ -65,9 +65,13 @@ def failure_reason(exc: BaseException) -> str:
 
 @dataclass
 class Deferred:
-    """Work for the pool; ``work()`` returns the loop-thread finisher producing the reply."""
+    """Work for the pool; ``work()`` returns the loop-thread finisher producing the reply.
+
+    ``counted_at_stop``, asked at the loop's end of a request never answered: whether the
+    stop counted it (None: the loop decides by the operation)."""
 
     work: Callable[[], Callable[[], Any]]
+    counted_at_stop: Callable[[], bool] | None = None
 
 
 @dataclass

@@ -249,8 +249,11 @@ class MPServer:
             assert error is not None
             self._failed(name, uid, arg_frames, error)
 
-        # Counted at the stop: the pickled ones by Transfers, the others if never started.
-        counted = True if name in _GIVEN_UP_BY_TRANSFERS else lambda: request.given_up
+        # Counted at the stop: the pickled ones by Transfers (a store only if it had not
+        # ended), the others if never started.
+        counted = deferred.counted_at_stop or (
+            True if name in _GIVEN_UP_BY_TRANSFERS else lambda: request.given_up
+        )
         self.router.submit(work, done, counted_at_stop=counted)
 
     # -- replying --------------------------------------------------------------------------

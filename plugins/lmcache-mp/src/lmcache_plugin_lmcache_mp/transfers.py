@@ -285,7 +285,9 @@ class Transfers:
                 return failed
             return partial(self._answer_pickled, store)
 
-        return Deferred(work)
+        # One that ended before the stop is counted as it ended, not as given up: unanswered
+        # (a forced stop handles no completion), the request itself is the router's to count.
+        return Deferred(work, counted_at_stop=lambda: store.given_up)
 
     def _answer_pickled(self, store: _PickledStore) -> Any:
         """Loop thread: count how a pickled store ended (unless the stop has) and answer it."""
