@@ -77,7 +77,7 @@ def test_a_credential_process_that_never_returns_stops_start_up_with_one_line(
             monkeypatch.delenv(name, raising=False)
         for name, value in environ.items():
             monkeypatch.setenv(name, value)
-        config = without_keys(seaweed, request_timeout_s=1.0)
+        config = without_keys(seaweed, request_timeout_s=3.0)
         refused: list[BaseException] = []
 
         def build() -> None:
@@ -95,7 +95,7 @@ def test_a_credential_process_that_never_returns_stops_start_up_with_one_line(
             wait_until(lambda pid=pid: not running(int(pid)), f"the killing of credential_process {pid}")
     assert len(refused) == 1 and isinstance(refused[0], ConfigError), refused
     assert str(refused[0]) == (
-        "0:s3: no AWS credentials within request_timeout_s=1: the credential chain "
+        "0:s3: no AWS credentials within request_timeout_s=3: the credential chain "
         "(a credential_process, SSO, an instance role) did not return"
     )
 
@@ -103,7 +103,7 @@ def test_a_credential_process_that_never_returns_stops_start_up_with_one_line(
 def test_serve_with_a_credential_process_that_never_returns_exits_2_in_one_line(
     seaweed: SeaweedS3, tmp_path: Path
 ) -> None:
-    config = without_keys(seaweed, request_timeout_s=1.0)
+    config = without_keys(seaweed, request_timeout_s=3.0)
     adapter = {
         "type": "s3",
         "bucket": config.bucket,
@@ -128,9 +128,9 @@ def test_serve_with_a_credential_process_that_never_returns_exits_2_in_one_line(
             env={**environ, "COLUMNS": "400"},
             capture_output=True,
             text=True,
-            timeout=4 * DEADLINE_S,  # a bound on a hang, far above the refusal's 1 s
+            timeout=4 * DEADLINE_S,  # a bound on a hang, far above the refusal's 3 s
         )
     assert done.returncode == 2, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, done.stderr
-    assert "no AWS credentials within request_timeout_s=1: " in errors[0]
+    assert "no AWS credentials within request_timeout_s=3: " in errors[0]
