@@ -76,7 +76,10 @@ def test_failed_loads_of_two_adapters_each_get_their_line(engine, caplog) -> Non
     storage = engine([AdapterSpec(type="gated", config=GatedConfig()) for _ in range(2)])
     first, second = gated_backend(storage, 0), gated_backend(storage, 1)
     in_first, in_second = keys_of(21, 4), keys_of(22, 4)
-    first.fail_stores.update(in_second)  # these are in the second adapter only
+    # Each key is in one adapter only, so no other adapter's load stands in for a failed one
+    # (l2_load_fallback): each adapter's failures end its prefix.
+    first.fail_stores.update(in_second)
+    second.fail_stores.update(in_first)
     store(storage, in_first + in_second, SIZE)
     assert storage.flush(10)
     storage.clear()
