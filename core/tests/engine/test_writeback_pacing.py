@@ -103,7 +103,7 @@ def test_a_lost_end_stops_holding_write_back_back(engine, long_deferral, monkeyp
 
 
 def test_pressure_on_l1_ends_deferral(engine, long_deferral, monkeypatch, client_busy) -> None:
-    # Waiting slices holding more than this share of L1 go at once.
+    # Objects stored in no adapter yet holding more than this share of L1 go at once.
     monkeypatch.setattr(store_pacing, "PRESSURE_FRACTION", 3 * SIZE / (64 << 20))
     storage = engine([gated()])
     few = keys_of(6, 2)
@@ -111,11 +111,47 @@ def test_pressure_on_l1_ends_deferral(engine, long_deferral, monkeypatch, client
     assert wait_for(lambda: storage.store.deferrals() > 0)
     assert stored_keys(storage) == set()
     more = keys_of(7, 2)
-    store(storage, more, SIZE)  # 4 objects waiting: over the threshold
-    # The oldest slice goes, which brings what waits back under the threshold.
-    assert wait_for(lambda: stored_keys(storage) == set(few))
-    assert storage.store.pending_batches() == 1
-    assert stored_keys(storage) == set(few)
+    store(storage, more, SIZE)  # 4 objects stored nowhere: over the threshold
+    assert wait_for(lambda: stored_keys(storage) == set(few + more))
+    assert storage.l1.unstored_bytes == 0
+    # Stored, they press no more: the next write waits for quiet again.
+    deferred = storage.store.deferrals()
+    later = keys_of(13, 1)
+    store(storage, later, SIZE)
+    assert wait_for(lambda: storage.store.deferrals() > deferred)
+    assert stored_keys(storage) == set(few + more)
+
+
+def test_pressure_ends_once_one_adapter_stored_everything(engine, long_deferral, monkeypatch) -> None:
+    # The default store policy sends every key to both adapters; the second is parked.  An
+    # object the first stored is evictable at no loss, so the second's backlog of them
+    # must not keep write-back pressed (no deferral, threads hurried) behind it.
+    monkeypatch.setattr(store_pacing, "PRESSURE_FRACTION", 3 * SIZE / (64 << 20))
+    monkeypatch.setattr(store_pacing, "SLICE_BYTES", SIZE)
+    monkeypatch.setattr(store_pacing, "INFLIGHT_BYTES", SIZE)
+    storage = engine([gated(), gated()])
+    gated_backend(storage, 1).store_gate.clear()
+    first = keys_of(20, 4)
+    store(storage, first, SIZE)  # the data plane is quiet: the first adapter takes them all
+    assert wait_for(lambda: stored_keys(storage) == set(first))
+    assert wait_for(lambda: not any(storage.l1.get(key).unstored for key in first))
+    assert storage.l1.unstored_bytes == 0
+    assert storage.store.pending_batches() == 3, "the parked adapter has one in flight, three waiting"
+    token = object()
+    DATA_PLANE.begin(token)
+    try:
+        deferred = storage.store.deferrals()
+        later = keys_of(21, 1)
+        store(storage, later, SIZE)
+        assert wait_for(lambda: storage.store.deferrals() > deferred), (
+            "write-back stayed pressed by a slow adapter's slices of objects stored elsewhere"
+        )
+        assert stored_keys(storage) == set(first)
+    finally:
+        DATA_PLANE.end(token)
+    gated_backend(storage, 1).store_gate.set()
+    assert storage.flush(10)
+    assert set(storage.adapters[1].iter_keys()) == set(first + later)
 
 
 def test_batches_are_cut_into_slices_and_few_are_in_flight(engine, monkeypatch) -> None:

@@ -85,6 +85,25 @@ def test_settled_objects_are_evictable_like_any_and_a_new_object_starts_clean(l1
     assert again.unstored
 
 
+def test_unstored_bytes_count_the_objects_l1_holds_stored_nowhere_yet(l1: L1Manager) -> None:
+    first, second, third, fourth = write(l1, 1, 2, 3, 4)
+    l1.mark_unstored(keys(1, 2, 3, 4))
+    l1.mark_unstored(keys(1))  # flagged already: counted once
+    assert l1.unstored_bytes == 4 * ALIGN
+    l1.settle_unstored([first])  # stored in an adapter
+    assert l1.unstored_bytes == 3 * ALIGN
+    assert l1.evict(ALIGN, keys(2)) == keys(2)  # its bytes leave L1 with it
+    assert l1.delete(keys(3)) == [True]
+    assert l1.unstored_bytes == ALIGN
+    # Settling objects that left L1 (their stores report afterwards) takes nothing twice.
+    l1.settle_unstored([first, second, third])
+    assert l1.unstored_bytes == ALIGN
+    l1.clear()
+    assert l1.unstored_bytes == 0
+    l1.settle_unstored([fourth])
+    assert l1.unstored_bytes == 0
+
+
 def test_locked_and_writing_objects_are_never_victims(l1: L1Manager) -> None:
     write(l1, 1)
     l1.mark_unstored(keys(1))

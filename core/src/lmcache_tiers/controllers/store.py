@@ -18,8 +18,8 @@ write-back used to be made of.
 
 Write-back is also paced (:mod:`lmcache_tiers.controllers.store_pacing`): batches are cut
 into slices of at most 32 MiB, two of them in flight per adapter, submitted while no client
-work is in progress -- each within a deadline of its commit, and at once when the waiting
-slices hold much of L1, at shutdown and while a flush waits.
+work is in progress -- each within a deadline of its commit, and at once when objects stored in
+no adapter yet hold much of L1, at shutdown and while a flush waits.
 
 Committed objects are flagged *unstored* in L1 from their commit until their stores are
 settled (stored in one adapter, or every task done), so L1 eviction takes them only as a
@@ -111,7 +111,10 @@ class StoreController(ControllerThread):
         self._end_counted = False
         self._urgent = 0  # flushes waiting: write-back defers to nobody meanwhile
         self._pacer = WriteBackPacer(
-            activity, l1.capacity_bytes, lambda: stats.failures().get("evicted_before_l2_store", 0)
+            activity,
+            l1.capacity_bytes,
+            lambda: stats.failures().get("evicted_before_l2_store", 0),
+            lambda: l1.unstored_bytes,
         )
         self._waiting_slices = 0  # len(self._pacer), readable from any thread
         # per adapter: its slices' bytes added (``added_bytes_of``) at its last look through them
@@ -233,11 +236,11 @@ class StoreController(ControllerThread):
         """Drop the waiting slices of an adapter slower than the writes whose objects all
         left L1.  Stored by the other adapters, such objects are evicted like any stored
         one, while their slices for the slow adapter wait their turn behind its bound in
-        flight: as long as it stays behind, they would pile up without end (and their
-        bytes keep write-back pressed).  The objects a waiting slice still finds in L1
-        take at most L1's bytes, so an adapter's slices are looked through once they hold
-        more than twice that, and again only once L1's bytes more were added since the
-        last look: a look costs no more per slice than the slices added since the last.
+        flight: as long as it stays behind, they would pile up without end.  The objects a
+        waiting slice still finds in L1 take at most L1's bytes, so an adapter's slices are
+        looked through once they hold more than twice that, and again only once L1's bytes
+        more were added since the last look: a look costs no more per slice than the slices
+        added since the last.
         Counted from what was added, not from what the last look kept (which may be more
         than L1's bytes: a slice stays for one object still in L1), so that the bound is
         twice L1's bytes again once the adapter caught up, whatever an earlier look kept."""

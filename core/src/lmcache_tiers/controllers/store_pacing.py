@@ -12,11 +12,13 @@ adapter's worker queue, so what is handed to an adapter stays small:
   (:class:`~lmcache_tiers.activity.DataPlaneActivity`: no request or client copy in
   progress, none just finished), so write-back runs in the gaps between requests -- with
   bounds that keep acknowledged writes moving whatever the load: a slice never waits
-  longer than ``MAX_DEFER_S`` after its commit; nothing waits while the slices not yet
-  submitted hold more than ``PRESSURE_FRACTION`` of L1 (they are evicted last, so L1 must
-  not fill up with them); and nothing waits for ``LOSS_COOLDOWN_S`` after L1 had to evict
-  an object before its L2 store (L1 is short of room: every moment an object spends only
-  in L1 is a risk then);
+  longer than ``MAX_DEFER_S`` after its commit; nothing waits while the objects stored in
+  no adapter yet hold more than ``PRESSURE_FRACTION`` of L1 (``L1Manager.unstored_bytes``:
+  they are evicted last, and lost if evicted, so L1 must not fill up with them -- an object
+  one adapter stored is evictable like any other, however far behind another adapter is
+  with it); and nothing waits for ``LOSS_COOLDOWN_S`` after L1 had to evict an object before
+  its L2 store (L1 is short of room: every moment an object spends only in L1 is a risk
+  then);
 * nothing waits once the controller is stopping (shutdown drains at full speed) or while
   a flush waits for L2 (``flush`` wants it done, not polite);
 * what waits for one adapter is bounded: once its slices hold more than twice L1's bytes,
@@ -50,7 +52,7 @@ INFLIGHT_BYTES = 64 << 20
 MAX_DEFER_S = 0.5
 #: no deferral for this long after L1 evicted an object before its L2 store
 LOSS_COOLDOWN_S = 1.0
-#: slices not yet submitted holding more than this share of L1 are written back at once
+#: objects stored in no adapter yet holding more than this share of L1: nothing is deferred
 PRESSURE_FRACTION = 0.5
 #: how often a deferring controller looks again while client work is in progress
 RECHECK_S = 0.002
@@ -104,16 +106,23 @@ class WriteBackPacer:
     """Slices waiting per adapter and the decision when the next may go.  Controller
     thread only."""
 
-    def __init__(self, activity: DataPlaneActivity, l1_capacity: int, losses: Callable[[], int]) -> None:
-        """``losses``: how many objects L1 has evicted before their L2 store so far."""
+    def __init__(
+        self,
+        activity: DataPlaneActivity,
+        l1_capacity: int,
+        losses: Callable[[], int],
+        unstored_bytes: Callable[[], int],
+    ) -> None:
+        """``losses``: how many objects L1 has evicted before their L2 store so far;
+        ``unstored_bytes``: bytes L1 holds of objects stored in no adapter yet."""
         self.activity = activity
         self.pressure_bytes = int(l1_capacity * PRESSURE_FRACTION)
         self._losses = losses
+        self._unstored_bytes = unstored_bytes
         self._losses_seen = losses()
         self._lost_at = float("-inf")
         self._waiting: dict[int, deque[Slice]] = {}
         self._inflight: dict[int, int] = {}  # adapter index -> bytes submitted, not reported
-        self.waiting_bytes = 0
         self._waiting_bytes: dict[int, int] = {}  # adapter index -> bytes of its waiting slices
         self._added_bytes: dict[int, int] = {}  # adapter index -> bytes of every slice it was given
         self.deferrals = 0  # times a slice was held back for client work (a gauge's source)
@@ -125,7 +134,6 @@ class WriteBackPacer:
     def add(self, piece: Slice) -> None:
         index = piece.slot.index
         self._waiting.setdefault(index, deque()).append(piece)
-        self.waiting_bytes += piece.nbytes
         self._waiting_bytes[index] = self._waiting_bytes.get(index, 0) + piece.nbytes
         self._added_bytes[index] = self._added_bytes.get(index, 0) + piece.nbytes
 
@@ -154,7 +162,6 @@ class WriteBackPacer:
 
     def _count_taken(self, piece: Slice) -> None:
         """``piece`` waits no more."""
-        self.waiting_bytes -= piece.nbytes
         self._waiting_bytes[piece.slot.index] -= piece.nbytes
 
     def reported(self, index: int, nbytes: int) -> None:
@@ -169,8 +176,12 @@ class WriteBackPacer:
             losses = self._losses()
             if losses != self._losses_seen:
                 self._losses_seen, self._lost_at = losses, now
-        self.pressed = now - self._lost_at < LOSS_COOLDOWN_S or self.waiting_bytes >= self.pressure_bytes
-        urgent = urgent or (bool(self._waiting) and now - self._lost_at < LOSS_COOLDOWN_S)
+        # Not the waiting slices' bytes: those of an adapter behind the others name objects
+        # the others stored, which L1 may evict at no loss; counted, they kept write-back
+        # pressed for as long as that adapter stayed behind.
+        full = self._unstored_bytes() >= self.pressure_bytes
+        self.pressed = now - self._lost_at < LOSS_COOLDOWN_S or full
+        urgent = urgent or (bool(self._waiting) and (full or now - self._lost_at < LOSS_COOLDOWN_S))
         chosen: list[Slice] = []
         wake: float | None = None
         quiet: float | None = None
@@ -180,7 +191,7 @@ class WriteBackPacer:
                 piece = queue[0]
                 if inflight and inflight + piece.nbytes > INFLIGHT_BYTES:
                     break  # the adapter's next report wakes the controller
-                if not urgent and self.waiting_bytes < self.pressure_bytes:
+                if not urgent:
                     overdue = piece.committed + MAX_DEFER_S - now
                     if overdue > 0:
                         if quiet is None:
@@ -201,6 +212,5 @@ class WriteBackPacer:
         """Every waiting slice, removed (shutdown gave up)."""
         dropped = [piece for queue in self._waiting.values() for piece in queue]
         self._waiting.clear()
-        self.waiting_bytes = 0
         self._waiting_bytes.clear()
         return dropped

@@ -41,13 +41,19 @@ class L2Handoffs:
             for key in keys:
                 obj = objects.get(key)
                 if obj is not None and obj.state is _READY:
-                    obj.unstored = True
+                    if not obj.unstored:
+                        obj.unstored = True
+                        self._table.unstored_bytes += obj.size
                     marked.append(obj)
             return marked
 
     def settle_unstored(self, objs: Iterable[L1Object]) -> None:
         with self._lock:
+            objects = self._table.objects
             for obj in objs:
+                # One that left L1 took its bytes out of the total as it went (``detach``).
+                if obj.unstored and objects.get(obj.key) is obj:
+                    self._table.unstored_bytes -= obj.size
                 obj.unstored = False
 
     def reserve_load(

@@ -221,6 +221,13 @@ class L1Manager:
         with self.lock:
             return [obj for obj in self._table.ready.values() if obj.unstored]
 
+    @property
+    def unstored_bytes(self) -> int:
+        """Bytes of the objects L1 holds flagged unstored (``mark_unstored``): acknowledged
+        writes stored in no L2 adapter yet, the ones an eviction would lose.  O(1), read
+        without the lock (a figure for pacing, a moment old at worst)."""
+        return self._table.unstored_bytes
+
     def contains(self, key: ObjectKey) -> bool:
         """True if the key is in L1 in any state (being written or ready)."""
         with self.lock:

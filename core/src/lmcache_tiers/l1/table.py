@@ -120,6 +120,9 @@ class ObjectTable:
         # credit the releases of the object's readers to them.
         self._held: set[L1Object] = set()
         self._held_extent_bytes = 0
+        #: bytes of the objects in the table flagged unstored (``l1/handoffs.py``): acknowledged
+        #: writes stored in no L2 yet, which write-back pacing weighs against L1's capacity
+        self.unstored_bytes = 0
 
     def writes_ended(self, unlocked_bytes: int) -> None:
         """Write reservations made READY without read locks left ``locked``: none of them
@@ -164,6 +167,8 @@ class ObjectTable:
     def detach(self, obj: L1Object) -> None:
         """Take ``obj`` out of the table; its extent is still to be released."""
         del self.objects[obj.key]
+        if obj.unstored:  # the flag stays (its store may still count it): the bytes leave L1
+            self.unstored_bytes -= obj.size
         if self.ready.pop(obj.key, None) is not None:
             self.ready_version += 1
         elif obj.state is ObjectState.WRITING:
@@ -244,6 +249,7 @@ class ObjectTable:
         self.ready_version += 1
         self.locked.clear()
         self.locked_extent_bytes = 0
+        self.unstored_bytes = 0
         self.set_aside.clear()
         self.set_aside_ended.clear()
         self.temporary.clear()
