@@ -26,6 +26,9 @@ class DemoSerdeConfig(ComponentConfig):
 
 
 def make_module(name: str = "demo", adapter: str = "demo") -> types.ModuleType:
+    """A plugin registering l2_adapter ``adapter`` and serde ``zdemo``: names no shipped
+    plugin registers (the policies come from the shipped ones: a name two distributions
+    register is contested, and a configuration using it refused)."""
     module = types.ModuleType(name)
 
     @hookimpl
@@ -33,26 +36,11 @@ def make_module(name: str = "demo", adapter: str = "demo") -> types.ModuleType:
         registry.add(adapter, "json:dumps", DemoAdapterConfig)
 
     @hookimpl
-    def tiers_register_store_policies(registry: KindRegistry) -> None:
-        registry.add("default", "json:dumps")
-
-    @hookimpl
-    def tiers_register_prefetch_policies(registry: KindRegistry) -> None:
-        registry.add("default", "json:dumps")
-
-    @hookimpl
-    def tiers_register_eviction_policies(registry: KindRegistry) -> None:
-        registry.add("LRU", "json:dumps")
-
-    @hookimpl
     def tiers_register_serdes(registry: KindRegistry) -> None:
         registry.add("zdemo", "json:dumps", DemoSerdeConfig)
 
     for hook in (
         tiers_register_l2_adapters,
-        tiers_register_store_policies,
-        tiers_register_prefetch_policies,
-        tiers_register_eviction_policies,
         tiers_register_serdes,
     ):
         setattr(module, hook.__name__, hook)

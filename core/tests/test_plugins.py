@@ -36,14 +36,38 @@ def test_factory_strings_are_imported_on_first_use_only() -> None:
         registry.get(Kind.SERDE, "badattr").load()
 
 
-def test_conflicting_registrations_name_both_plugins() -> None:
-    plugin_set = discover({"alpha": make_module("alpha"), "beta": make_module("beta")})
-    beta = next(p for p in plugin_set.plugins if p.name == "beta")
-    assert beta.error is not None
-    assert "'alpha'" in beta.error and "'beta'" in beta.error
-    # the losing plugin registered nothing; the winner is intact
+def test_a_name_two_plugins_register_is_used_by_neither() -> None:
+    from lmcache_tiers.errors import ConfigError
+
+    plugin_set = discover({"alpha": make_module("alpha"), "beta": make_module("beta", adapter="only_beta")})
+    alpha, beta = (next(p for p in plugin_set.plugins if p.name == name) for name in ("alpha", "beta"))
+    # both load; each is listed with the name it shares and the other distribution
+    assert alpha.error is None and beta.error is None
+    assert alpha.conflicts == ["serde:zdemo is also registered by 'beta'"]
+    assert beta.conflicts == ["serde:zdemo is also registered by 'alpha'"]
+    assert beta.status.startswith("conflict: serde:zdemo is also registered by 'alpha'; uninstall one")
+    assert "serde:zdemo" in beta.components
+    with pytest.raises(ConfigError, match=r"^serde 'zdemo' is registered by both 'alpha' and 'beta'; none"):
+        plugin_set.registry.get(Kind.SERDE, "ZDEMO")
+    # what only one of them registers is theirs, as before
     assert plugin_set.registry.get(Kind.L2_ADAPTER, "demo").plugin == "alpha"
-    assert beta.components == []
+    assert plugin_set.registry.get(Kind.L2_ADAPTER, "only_beta").plugin == "beta"
+
+
+def test_a_contested_name_goes_back_to_the_one_left_when_the_other_is_rolled_back() -> None:
+    registry = ComponentRegistry()
+    registry.for_plugin(Kind.SERDE, "first").add("twin", "json:dumps")
+    registry.for_plugin(Kind.SERDE, "second").add("twin", "json:loads")
+    registry.remove_plugin("first")
+    assert registry.get(Kind.SERDE, "twin").plugin == "second"
+    assert registry.contested() == []
+
+
+def test_a_plugin_registering_one_name_twice_is_its_own_error() -> None:
+    registry = ComponentRegistry()
+    registry.for_plugin(Kind.SERDE, "p").add("twin", "json:dumps")
+    with pytest.raises(PluginError, match="serde:TWIN is registered twice by plugin 'p'"):
+        registry.for_plugin(Kind.SERDE, "p").add("TWIN", "json:dumps")
 
 
 def test_plugin_whose_hook_raises_is_isolated() -> None:

@@ -3,9 +3,10 @@
 Entry points in group ``lmcache_tiers`` are scanned once per process with stevedore
 (which caches the scan and reports load failures per plugin).  Each loaded module is
 registered with pluggy, which validates its hook implementations against the specs.
-Registration hooks are then called plugin by plugin, so a plugin that raises, or that
-registers a name another plugin already owns, is reported as an error of its own and
-never stops the others.
+Registration hooks are then called plugin by plugin, so a plugin that raises is reported
+as an error of its own and never stops the others.  A name two distributions register is
+contested: both are listed with the conflict, and a configuration using the name is
+refused (neither is used), while their other components stay usable.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import pluggy
 
 from lmcache_tiers import hookspecs
 from lmcache_tiers.errors import PluginError, raised_by_a_plugin
-from lmcache_tiers.registry import ComponentRegistry, Kind
+from lmcache_tiers.registry import CONTEST_WAY_OUT, ComponentRegistry, Kind, contest_text
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +57,18 @@ class PluginInfo:
     components: list[str] = field(default_factory=list)
     #: the error only left its commands out: its components registered and are usable
     commands_only: bool = False
+    #: each name it registered that another distribution registered too (not usable)
+    conflicts: list[str] = field(default_factory=list)
 
     @property
     def status(self) -> str:
         if self.disabled:
             return f"disabled by {DISABLE_ENV}"
-        return f"error: {self.error}" if self.error else "ok"
+        if self.error:
+            return f"error: {self.error}"
+        if self.conflicts:
+            return f"conflict: {'; '.join(self.conflicts)}; {CONTEST_WAY_OUT}"
+        return "ok"
 
 
 @dataclass
@@ -75,6 +82,15 @@ class PluginSet:
     @property
     def errors(self) -> list[PluginInfo]:
         return [p for p in self.plugins if p.error]
+
+    @property
+    def conflicted(self) -> list[PluginInfo]:
+        """The plugins that registered a name another distribution registered too."""
+        return [p for p in self.plugins if p.conflicts and not p.error]
+
+    def contest_lines(self) -> list[str]:
+        """One line per contested name, naming every distribution registering it."""
+        return [f"{contest_text(claimants)}; {CONTEST_WAY_OUT}" for claimants in self.registry.contested()]
 
     @property
     def unusable(self) -> list[PluginInfo]:
@@ -272,7 +288,7 @@ def _run_registration(manager: pluggy.PluginManager, registry: ComponentRegistry
     plugin = manager.get_plugin(info.name)
     # Components are owned by distribution, and one distribution may name several entry
     # points: only what this entry point added is undone or listed as its own.
-    before = {id(c) for c in registry.components()}
+    before = {id(c) for c in registry.all_components()}
     stop_handlers = _signal_handler_codes()
     try:
         for hook_name, kind in REGISTRATION_HOOKS.items():
@@ -294,7 +310,7 @@ def _run_registration(manager: pluggy.PluginManager, registry: ComponentRegistry
         info.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, PluginError) else str(exc)
         manager.unregister(name=info.name)
         return
-    info.components = [c.qualified_name for c in registry.components() if id(c) not in before]
+    info.components = [c.qualified_name for c in registry.all_components() if id(c) not in before]
 
 
 def discover(extra_plugins: dict[str, ModuleType] | None = None) -> PluginSet:
@@ -340,7 +356,19 @@ def discover(extra_plugins: dict[str, ModuleType] | None = None) -> PluginSet:
         if manager.get_plugin(info.name) is not None and not info.error:
             _run_registration(manager, registry, info)
     registry.failed_plugins = {info.name: info.error for info in ordered if info.error}
+    _note_conflicts(registry, ordered)
     return PluginSet(manager, registry, ordered)
+
+
+def _note_conflicts(registry: ComponentRegistry, ordered: list[PluginInfo]) -> None:
+    """List, on each plugin that registered a contested name, that name and the others
+    registering it (``plugins list`` shows it as the plugin's status)."""
+    for claimants in registry.contested():
+        for claimant in claimants:
+            others = " and ".join(repr(c.plugin) for c in claimants if c is not claimant)
+            for info in ordered:
+                if info.distribution == claimant.plugin and claimant.qualified_name in info.components:
+                    info.conflicts.append(f"{claimant.qualified_name} is also registered by {others}")
 
 
 def call_each(

@@ -137,6 +137,25 @@ def _last_line(exc: Exception) -> str:
     return lines[-1] if lines else type(exc).__name__
 
 
+class ContestedNameError(ConfigError):
+    """A configuration names a component that two or more distributions registered."""
+
+
+#: what ends a contest over a name (``plugins.DISABLE_ENV``: plugins imports this module)
+CONTEST_WAY_OUT = "uninstall one of them (or disable one with LMCACHE_TIERS_DISABLE_PLUGINS)"
+
+
+def contest_text(claimants: Collection[Component]) -> str:
+    """``kind 'name' is registered by both 'a' and 'b'; none of them is used``: one contested name."""
+    first = next(iter(claimants))
+    plugins = [repr(c.plugin) for c in claimants]
+    named = ", ".join(plugins[:-1]) + f" and {plugins[-1]}"
+    return (
+        f"{first.kind.value.replace('_', ' ')} {first.name!r} is registered by "
+        f"{'both' if len(plugins) == 2 else 'each of'} {named}; none of them is used"
+    )
+
+
 class KindRegistry:
     """The object a registration hook receives: adds components of one kind."""
 
@@ -188,6 +207,9 @@ class ComponentRegistry:
 
     def __init__(self) -> None:
         self._by_kind: dict[Kind, dict[str, Component]] = {kind: {} for kind in Kind}
+        #: (kind, lowered name) -> every component of that name, in registration order,
+        #: when distributions disagree on it: resolving the name is refused (see ``get``)
+        self._contested: dict[tuple[Kind, str], list[Component]] = {}
         #: plugin name -> why it failed to load: an unknown name may be one of theirs
         self.failed_plugins: dict[str, str] = {}
 
@@ -195,21 +217,49 @@ class ComponentRegistry:
         return KindRegistry(self, kind, plugin)
 
     def _add(self, component: Component) -> None:
-        existing = self._by_kind[component.kind].get(component.name.lower())
-        if existing is not None:
+        key = component.name.lower()
+        existing = self._by_kind[component.kind].get(key)
+        if existing is None:
+            self._by_kind[component.kind][key] = component
+            return
+        claimants = self._contested.get((component.kind, key), [existing])
+        if any(each.plugin == component.plugin for each in claimants):
             raise PluginError(
-                f"{component.qualified_name} is registered by both plugin "
-                f"{existing.plugin!r} and plugin {component.plugin!r}; "
-                f"uninstall one or disable it with LMCACHE_TIERS_DISABLE_PLUGINS"
+                f"{component.qualified_name} is registered twice by plugin {component.plugin!r}"
             )
-        self._by_kind[component.kind][component.name.lower()] = component
+        self._contested[(component.kind, key)] = claimants
+        # Neither distribution wins: the one whose entry point sorts first would otherwise
+        # take the name silently (a third-party `fs` receiving every write meant for the
+        # shipped one).  Both stay listed; a configuration using the name is refused.
+        claimants.append(component)
+
+    def contested(self) -> list[list[Component]]:
+        """The names two or more distributions registered: every claimant of each."""
+        return [list(claimants) for claimants in self._contested.values()]
 
     def remove_plugin(self, plugin: str, keep: Collection[int] = ()) -> None:
         """Forget everything one plugin registered (used when its hooks fail midway),
-        except the components whose ``id`` is in ``keep``."""
+        except the components whose ``id`` is in ``keep``; a name it contested goes back
+        to the one distribution left claiming it."""
+
+        def gone(component: Component) -> bool:
+            return component.plugin == plugin and id(component) not in keep
+
+        for (kind, key), claimants in list(self._contested.items()):
+            claimants[:] = [c for c in claimants if not gone(c)]
+            if claimants:
+                self._by_kind[kind][key] = claimants[0]
+            if len(claimants) < 2:
+                del self._contested[(kind, key)]
         for components in self._by_kind.values():
-            for key in [k for k, c in components.items() if c.plugin == plugin and id(c) not in keep]:
+            for key in [k for k, c in components.items() if gone(c)]:
                 del components[key]
+
+    def all_components(self) -> Iterator[Component]:
+        """Every component registered, each claimant of a contested name included."""
+        yield from self.components()
+        for claimants in self._contested.values():
+            yield from claimants[1:]
 
     def names(self, kind: Kind) -> list[str]:
         return sorted(c.name for c in self._by_kind[kind].values())
@@ -222,6 +272,9 @@ class ComponentRegistry:
     def get(self, kind: Kind, name: str) -> Component:
         """Resolve a configured name (case-insensitive) or raise with suggestions."""
         found = self._by_kind[kind].get(str(name).lower())
+        claimants = self._contested.get((kind, str(name).lower()))
+        if claimants is not None:
+            raise ContestedNameError(f"{contest_text(claimants)}; {CONTEST_WAY_OUT}")
         if found is not None:
             return found
         installed = self.names(kind)

@@ -19,7 +19,7 @@ from lmcache_tiers.config_docs import (
     render_config_reference,
 )
 from lmcache_tiers.plugins import load_plugins
-from lmcache_tiers.registry import Component
+from lmcache_tiers.registry import CONTEST_WAY_OUT, Component, contest_text
 
 app = typer.Typer(
     help="List installed plugins, show their components' configuration, write new ones.",
@@ -97,8 +97,12 @@ def show(name: str = typer.Argument(..., help="A plugin name, or a component as 
         close = difflib.get_close_matches(name.lower(), sorted(names), n=1, cutoff=0.6)
         suggestion = f"did you mean {close[0]!r}? " if close else ""
         fail(f"no plugin or component named {name!r}; {suggestion}installed plugins: {known}", EXIT_USAGE)
+    contested = {each[0].qualified_name.lower(): each for each in plugin_set.registry.contested()}
     for component in components:
         title = f"{component.qualified_name}  (plugin {component.plugin})"
+        claimants = contested.get(component.qualified_name.lower())
+        if claimants is not None:
+            warn(f"{contest_text(claimants)}; {CONTEST_WAY_OUT}")
         fields: list[FieldDoc] | None
         try:
             fields = component_fields(component.config)
@@ -128,4 +132,7 @@ def reference() -> None:
     for plugin in plugin_set.unusable:
         # The reference goes to a file: without this line it would lack their sections unsaid.
         warn(f"plugin {plugin.name} failed to load: {plugin.error}; its components are not documented")
+    for line in plugin_set.contest_lines():
+        # documented once, from the first distribution that registered it
+        warn(line)
     typer.echo(render_config_reference(plugin_set), nl=False)

@@ -154,7 +154,12 @@ def refuse_installed_names(name: str, kind: SkeletonKind) -> None:
     component_kind = Kind(values["kind_label"])
     taken = {c.lower(): c for c in plugin_set.registry.names(component_kind)}
     if values["component"].lower() in taken:
-        owner = plugin_set.registry.get(component_kind, values["component"]).plugin
+        # (not ``get``: a name two plugins registered is refused there, and is taken all the same)
+        owner = next(
+            c.plugin
+            for c in plugin_set.registry.components(component_kind)
+            if c.name.lower() == values["component"].lower()
+        )
         raise ConfigError(
             f"{component_kind.value}:{taken[values['component'].lower()]} is installed (plugin "
             f"{owner}); names are matched ignoring case, so one of the two would not load{hint}"

@@ -443,6 +443,9 @@ def warn_unused_broken_plugins(plugin_set: PluginSet) -> None:
             f"plugin {plugin.name} failed to load: {plugin.error}; serving without its components "
             "(--strict refuses to start)"
         )
+    for line in plugin_set.contest_lines():
+        # the configuration does not use the name (it would have been refused)
+        warn(f"{line} (--strict refuses to start)")
 
 
 def run_serve(
@@ -453,6 +456,8 @@ def run_serve(
     if params["strict"] and plugin_set.errors:
         broken = "; ".join(f"{p.name}: {p.error}" for p in plugin_set.errors)
         fail(f"--strict: plugins failed to load: {broken}")
+    if params["strict"] and plugin_set.contest_lines():
+        fail(f"--strict: {'; '.join(plugin_set.contest_lines())}")
     overrides, notes = flag_overrides(params, given)
     # Keys as field names first (a file may write `[[l2-adapters]]`), so that the default L2
     # is added only where the file has no adapters of its own.
@@ -465,6 +470,10 @@ def run_serve(
             file_values["l2_adapters"] = default_l2_adapters(plugin_set.registry)
         except OSError as exc:  # its directory cannot be sized (a name too long): one line
             raise _default_l2_error(ConfigError(str(exc))) from None
+        for spec in file_values["l2_adapters"]:
+            # Said as it is: neither a writable directory nor --no-default-l2 is the way out
+            # of two distributions registering the default L2's type.
+            plugin_set.registry.get(Kind.L2_ADAPTER, spec["type"])
     try:
         resolved = build_config(plugin_set.registry, file_values, overrides, adapters, params["frontend"])
         if uses_default_l2 and not params["print_config"]:
