@@ -16,10 +16,11 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from lmcache_tiers.burst import PolicyFailureLog as PolicyFailureLog  # re-exported for the controllers
+from lmcache_tiers.controllers.l2_deletes import L2Deletes
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.errors import plugin_code
 from lmcache_tiers.keys import ObjectKey
@@ -87,6 +88,8 @@ class AdapterSlot:
     index: int  # position in the cascade; policies' plans are keyed by it
     type: str  # registered type name, e.g. "mock"
     adapter: L2Adapter
+    #: its L2 eviction's deletes, which a store of the same key may meet
+    deletes: L2Deletes = field(default_factory=L2Deletes, compare=False, repr=False)
 
     @property
     def name(self) -> str:

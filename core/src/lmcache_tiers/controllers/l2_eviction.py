@@ -611,11 +611,16 @@ class L2EvictionController(ControllerThread):
         stopping cut the wait short.  Raises what the delete raised."""
         outcome: list[list[bool] | BaseException] = []
 
+        deletes = self.slot.deletes
+
         def run() -> None:
+            deletes.begin(batch)  # a store of one of them meanwhile fails: stored again after
             try:
                 result: list[bool] | BaseException = self.slot.adapter.delete(batch)
             except BaseException as exc:  # handed to the waiting cycle
                 result = exc
+            finally:
+                deletes.end(batch)
             with self._delete_done:
                 outcome.append(result)
                 self._delete_done.notify_all()

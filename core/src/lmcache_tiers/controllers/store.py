@@ -67,6 +67,8 @@ class _Batch:
     objects: dict[ObjectKey, L1Object]  # committed objects flagged unstored, prefix order
     tasks_left: int = 0
     stored: set[ObjectKey] = field(default_factory=set)  # in at least one adapter
+    # (adapter index, key) stored again after meeting an L2 delete of the key: once only
+    retried: set[tuple[int, ObjectKey]] = field(default_factory=set)
 
 
 @dataclass(eq=False)
@@ -78,6 +80,7 @@ class _Task:
     batch: _Batch
     nbytes: int  # of the slice, as the pacer counted it in flight
     submitted: float  # monotonic time it was handed to the adapter
+    deletes_seen: int  # its adapter's ``deletes.events`` then: deletes it may have met end later
     released: bool = False  # ``objects`` given back (``finish_store``)
     paced: bool = False  # ``nbytes`` reported to the pacer as no longer in flight
     ended: bool = False  # no longer counted in ``batch.tasks_left``
@@ -133,6 +136,11 @@ class StoreController(ControllerThread):
             L2Op.STORE, lambda adapter: adapter.pop_completed_stores(), stats
         )
         self._fd_slot = {slot.adapter.event_fd(L2Op.STORE): slot for slot in self.slots}
+        # Keys to store again once the L2 eviction deleting them ended (``_store_again``),
+        # one slice per failed task; they go to the pacer then.
+        self._after_delete: list[Slice] = []
+        for slot in self.slots:
+            slot.deletes.on_end = self.wake
 
     def start(self) -> None:
         if self.slots and sys.getswitchinterval() > GIL_SWITCH_S:
@@ -225,12 +233,28 @@ class StoreController(ControllerThread):
                 self._start_batch(objects, committed)
             finally:
                 with self._queue_lock:  # never seen as idle between the two counts
-                    self._waiting_slices = len(self._pacer)
+                    self._waiting_slices = self._waiting_count()
                     self._starting = 0
         if self._left_behind():
             return
+        self._release_after_delete()
         self._prune_backlogs()
         self._submit_slices()
+
+    def _waiting_count(self) -> int:
+        return len(self._pacer) + len(self._after_delete)
+
+    def _release_after_delete(self) -> None:
+        """Hand the pacer the slices of keys stored again whose deletes have ended."""
+        if not self._after_delete:
+            return
+        waiting: list[Slice] = []
+        for piece in self._after_delete:
+            if piece.slot.deletes.running(piece.keys):
+                waiting.append(piece)  # its end wakes this thread (``deletes.on_end``)
+            else:
+                self._pacer.add(piece)
+        self._after_delete = waiting
 
     def _prune_backlogs(self) -> None:
         """Drop the waiting slices of an adapter slower than the writes whose objects all
@@ -296,7 +320,7 @@ class StoreController(ControllerThread):
             # is the next commit or the controller's interval, slice after slice.
             if tasks == len(pieces):
                 break
-        self._waiting_slices = len(self._pacer)
+        self._waiting_slices = self._waiting_count()
         self._pace_threads(urgent or self._pacer.pressed)
 
     def _pace_threads(self, behind: bool) -> None:
@@ -418,6 +442,7 @@ class StoreController(ControllerThread):
         if not objects:
             self._slice_ended(piece)
             return False
+        deletes_seen = slot.deletes.events  # read before the store can meet a delete
         try:
             layouts = [obj.layout for obj in objects]
             task_id = slot.adapter.submit_store(keys, buffers, layouts if any(layouts) else None)
@@ -436,7 +461,7 @@ class StoreController(ControllerThread):
             )
             self._slice_ended(piece)
             return False
-        task = _Task(slot, task_id, keys, objects, batch, piece.nbytes, time.monotonic())
+        task = _Task(slot, task_id, keys, objects, batch, piece.nbytes, time.monotonic(), deletes_seen)
         self._tasks.track(slot, task_id, task)
         with self._running_lock:
             self._running[id(task)] = objects
@@ -512,6 +537,9 @@ class StoreController(ControllerThread):
                         logger.exception(
                             "%s: finishing the batch of store task %d failed", slot.name, task.task_id
                         )
+        # Deletes that ended before every task still running was submitted met none of them.
+        seen = [task.deletes_seen for task in self._tasks.owners() if task.slot is slot]
+        slot.deletes.forget_before(min(seen) if seen else None)
 
     def _complete(self, task: _Task, results: Sequence[bool]) -> None:
         stored = [key for key, ok in zip(task.keys, results, strict=False) if ok]
@@ -523,7 +551,9 @@ class StoreController(ControllerThread):
         self._release(task)
         task.paced = True
         self._pacer.reported(task.slot.index, task.nbytes)
-        failed = len(task.keys) - len(stored)
+        done = set(stored)
+        again = self._store_again([key for key in task.keys if key not in done], task)
+        failed = len(task.keys) - len(stored) - len(again)
         index = task.slot.index
         self.stats.add_adapter(index, "store_tasks_completed")
         self.stats.add_adapter(index, "keys_stored", len(stored))
@@ -548,6 +578,40 @@ class StoreController(ControllerThread):
         )
         batch.stored.update(stored)
         self._task_ended(task)
+
+    def _store_again(self, failed: list[ObjectKey], task: _Task) -> list[ObjectKey]:
+        """Queue again, once, the keys of ``failed`` that met an L2 eviction deleting them
+        in the task's adapter (which refuses such a store, ``store_skipped_deleting``) and
+        whose objects L1 still holds; returns them.  Their batch waits for the new slice:
+        an object stored nowhere stays flagged unstored (evicted last, counted if lost)
+        meanwhile -- ended without it, it would be an acknowledged write an L1 eviction
+        drops silently.  The slice goes to the pacer once the delete ended
+        (``_release_after_delete``): stored before, it would be refused again."""
+        slot, batch = task.slot, task.batch
+        index = slot.index
+        candidates = [key for key in failed if (index, key) not in batch.retried and key in batch.objects]
+        if not candidates:
+            return []
+        get = self.l1.get
+        again = [
+            key for key in slot.deletes.raced(candidates, task.deletes_seen) if get(key) is batch.objects[key]
+        ]
+        if not again:
+            return []
+        batch.retried.update((index, key) for key in again)
+        nbytes = sum(batch.objects[key].size for key in again)
+        self._after_delete.append(Slice(slot, again, nbytes, batch, time.monotonic()))
+        batch.tasks_left += 1  # a slice counts as a task from now on
+        self.stats.fail("l2_store_retried_after_delete", len(again))
+        self._burst.warn(
+            f"l2_store_retried_after_delete:{index}",
+            "%d keys were not stored in %s: an L2 eviction was deleting them there; "
+            "they are stored again once that delete ended",
+            len(again),
+            slot.name,
+            count=len(again),
+        )
+        return again
 
     def _release(self, task: _Task) -> None:
         """Give the task's store locks back: its objects are no longer a running store's."""
@@ -639,6 +703,7 @@ class StoreController(ControllerThread):
             with self._running_lock:
                 self._running.clear()
             self._pacer.drop_all()
+            self._after_delete.clear()
             return
         # Draining gave up (stalled adapter) or finished: release every lock still held.
         # Both counters count objects stored in no adapter, each once: the default store
@@ -667,7 +732,8 @@ class StoreController(ControllerThread):
         # store already failed (counted then) is in no slice left, and would otherwise stay
         # flagged as L1's only copy, counted lost again by an eviction before L1 closes.
         unsent: dict[int, L1Object] = {}
-        for piece in self._pacer.drop_all():
+        after_delete, self._after_delete = self._after_delete, []
+        for piece in [*self._pacer.drop_all(), *after_delete]:
             ended[id(piece.batch)] = piece.batch
             for key in piece.keys:
                 if key not in piece.batch.stored:

@@ -1,0 +1,98 @@
+"""A store that meets an L2 eviction deleting its key in the same adapter is refused there
+(``store_skipped_deleting``); the store controller stores the key again, once, after the
+delete ended, while L1 still holds the object (an acknowledged write: with its store only
+failed, its batch would end and an L1 eviction would drop it uncounted).
+
+The backend's delete waits at a gate (a threading event) the test opens, so the delete is
+provably running when the store arrives; nothing is timed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import pytest
+from engine_support import GatedConfig, gated_backend, keys_of, store, store_in_l2_only, wait_for
+
+from lmcache_tiers.config import AdapterSpec, L2EvictionConfig
+from lmcache_tiers.controllers.l2_deletes import L2Deletes
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.storage import StorageManager
+
+SIZE = 32 * 1024
+
+
+def evicting_adapter() -> AdapterSpec:
+    # Eviction only when the test asks for it (``evict``): the watermark is never reached.
+    eviction = L2EvictionConfig(trigger_watermark=0.99, eviction_ratio=0.5)
+    return AdapterSpec(type="gated", config=GatedConfig(capacity_mb=8, eviction=eviction))
+
+
+class ParkedDeletes:
+    """The backend's deletes wait at a gate until the test opens it."""
+
+    def __init__(self, storage: StorageManager, monkeypatch: pytest.MonkeyPatch) -> None:
+        backend = gated_backend(storage)
+        self.arrived = threading.Event()
+        self.gate = threading.Event()
+        delete_many = backend.delete_many
+
+        def parked(keys: Sequence[ObjectKey]) -> list[bool]:
+            self.arrived.set()
+            assert self.gate.wait(30)
+            return delete_many(keys)
+
+        monkeypatch.setattr(backend, "delete_many", parked)
+
+
+def evict_in_background(storage: StorageManager) -> threading.Thread:
+    controller = storage.l2_evictions[0]
+    controller.delete_deadline_s = 60.0  # the parked delete is no hang
+    thread = threading.Thread(target=controller.evict, args=(SIZE,), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_store_refused_by_a_running_delete_is_stored_again_once_it_ended(engine, monkeypatch) -> None:
+    storage = engine([evicting_adapter()])
+    (key,) = keys_of(1, 1)
+    store_in_l2_only(storage, [key], SIZE)  # L2's copy, the eviction's first victim
+    # Older than the key once it is stored again: the victims should the eviction find that
+    # its delete freed nothing (the store again may land before it looks).
+    store_in_l2_only(storage, keys_of(2, 4), SIZE)
+    deletes = ParkedDeletes(storage, monkeypatch)
+    evicting = evict_in_background(storage)
+    try:
+        assert deletes.arrived.wait(10), "the eviction never deleted the key"
+        assert store(storage, [key], SIZE) == [key]  # written again while L2 deletes it
+        # The store met the delete and was refused; the key waits for the delete to end.
+        assert wait_for(lambda: storage.adapters[0].stats().get("store_skipped_deleting") == 1)
+        assert wait_for(lambda: storage.stats.failures().get("l2_store_retried_after_delete") == 1), (
+            "a store refused by a running delete was not queued again"
+        )
+        assert storage.l1.get(key).unstored, "stored nowhere meanwhile: still protected in L1"
+    finally:
+        deletes.gate.set()
+        evicting.join(30)
+    assert storage.flush(10)
+    assert key in set(storage.adapters[0].iter_keys()), "the acknowledged write is in no L2"
+    assert not storage.l1.get(key).unstored
+    failures = storage.stats.failures()
+    assert "l2_store_failed" not in failures
+    assert failures.get("l2_store_retried_after_delete") == 1
+
+
+def test_deletes_are_remembered_for_the_stores_that_may_have_met_them() -> None:
+    deletes = L2Deletes()
+    first, second, third = keys_of(3, 3)
+    before = deletes.events  # a store submitted now
+    deletes.begin([first, second])
+    assert deletes.raced([first, third], before) == [first]  # running
+    deletes.end([first, second])
+    assert not deletes.running([first, second])
+    assert deletes.raced([first, second, third], before) == [first, second]  # ended since
+    after = deletes.events  # a store submitted after those ended met none of them
+    assert deletes.raced([first, second], after) == []
+    deletes.forget_before(after)  # no store older than that is running
+    assert deletes.raced([first, second], before) == []
