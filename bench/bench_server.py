@@ -6,8 +6,11 @@ this process: STORE and RETRIEVE of N x S bytes through shared memory and inline
 GB/s and as a ratio of a plain memcpy of the same bytes; LOOKUP p50/p99 and requests/s.
 
 LOOKUP is also put next to the floor of its transport: a bare ZeroMQ DEALER/ROUTER round
-trip (a Python echo process answering each LOOKUP-sized request with a reply-sized
-message), measured in this run right before and right after the server's figures; and
+trip (a Python echo process answering each request of the very bytes the client sends for
+that LOOKUP with a reply of a LOOKUP reply's size), measured in this run right before and
+right after the server's figures, and in rounds that alternate with rounds of the
+client's LOOKUPs (the ratio of each pair of rounds, whose median is the figure the
+target is judged on: both sides see the same load on the machine); and
 PING and LOOKUP are sent to the server through a bare DEALER socket too, which splits a
 round trip into the server's share and the client library's.  How
 fast a sequential round trip can be depends on where the scheduler puts the two processes
@@ -42,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import zmq
 
@@ -54,6 +57,7 @@ from lmcache_tiers.cli.commands_server import bench_table, run_with_progress
 from lmcache_tiers.cli.output import stdout
 from lmcache_tiers.client import Client, ClientError
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.server.benchmark import BenchKeys
 from lmcache_tiers.testing.ports import free_port
 from lmcache_tiers.wire import protocol as p
 
@@ -62,6 +66,12 @@ LOOKUP_TARGET_PER_S = 10_000
 LOOKUP_FLOOR_TARGET = 0.8  # of the bare round trip, 16-key LOOKUP (issue 16)
 PER_KEY_TARGET_US = 0.3  # extra cost per key of a long LOOKUP over a short one (issue 16)
 ECHO_REQUESTS = 20_000
+#: pairs of rounds (echo, LOOKUP) of ``lookup_against_floor``: short rounds, so that a
+#: burst of load on the shared machine falls on both rounds of a pair or on few pairs
+FLOOR_ROUNDS = 40
+#: the ``wait_s`` a client puts in its LOOKUP (a server with ``lookup_wait``): in the echo
+#: request too, so that it is as long as the request it stands for
+CLIENT_LOOKUP_WAIT_S = 10.0
 
 
 def endpoint(transport: str, name: str) -> tuple[str, str]:
@@ -103,8 +113,28 @@ def start_server(
 
 # -- the transport's floor -------------------------------------------------------------------
 
-_ECHO_REPLY = p.encode(p.LookupReply(1, handle=1, hits=16))  # what a LOOKUP gets back
+# What a LOOKUP gets back, as long: request ids in the tens of thousands, a handle of the
+# server's 62-bit random base plus a count.
+_ECHO_REPLY = p.encode(p.LookupReply(1 << 20, handle=(1 << 62) + 1, hits=16))
 _STOP = b"stop"
+
+
+def floor_request(keys: Sequence[ObjectKey]) -> bytes:
+    """The bytes the client sends for a LOOKUP of ``keys`` (a request id in the tens of
+    thousands, the wait it adds), for the echo process: the floor's request is as long as
+    the request it is the floor of."""
+    return p.encode(p.Lookup(1 << 20, "", list(keys), CLIENT_LOOKUP_WAIT_S))
+
+
+def run_bench_keys(count: int) -> list[ObjectKey]:
+    """Keys shaped as ``run_bench``'s LOOKUP keys (its model, tag and salt lengths)."""
+    return BenchKeys().make("lookup", count)
+
+
+def slope_keys(count: int) -> list[ObjectKey]:
+    """The keys of ``lookup_p50s`` (and of the echo round trip its slope is put next to)."""
+    salt = f"bench-slope-{os.getpid()}"
+    return [ObjectKey("bench-slope", 0, index.to_bytes(4, "big") * 8, 0, salt) for index in range(count)]
 
 
 def echo_server(url: str) -> None:
@@ -123,34 +153,43 @@ def echo_server(url: str) -> None:
     sock.close(0)
 
 
-def echo_floor(url: str, lookup_keys: int, requests: int) -> tuple[float, float]:
-    """Sequential round trips of a LOOKUP-sized request to the echo process:
-    (requests/s, p50 in microseconds)."""
-    keys = [ObjectKey("bench", 0, os.urandom(18)) for _ in range(lookup_keys)]
-    request = p.encode(p.Lookup(1, "", keys))
+def echo_socket(url: str) -> zmq.Socket[bytes]:
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 10_000)
     sock.connect(url)
+    return sock
+
+
+def echo_round_trips(sock: zmq.Socket[bytes], request: bytes, requests: int) -> tuple[float, list[float]]:
+    """``requests`` sequential round trips of ``request``: (seconds, each in microseconds)."""
+    samples: list[float] = []
+    began = time.perf_counter()
+    for _ in range(requests):
+        start = time.perf_counter_ns()
+        sock.send(request)
+        sock.recv()
+        samples.append((time.perf_counter_ns() - start) / 1e3)
+    return time.perf_counter() - began, samples
+
+
+def echo_floor(url: str, keys: Sequence[ObjectKey], requests: int) -> tuple[float, float]:
+    """Sequential round trips of the request a LOOKUP of ``keys`` sends, to the echo
+    process: (requests/s, p50 in microseconds)."""
+    request = floor_request(keys)
+    sock = echo_socket(url)
     try:
-        for _ in range(500):
-            sock.send(request)
-            sock.recv()
-        samples: list[float] = []
-        began = time.perf_counter()
-        for _ in range(requests):
-            start = time.perf_counter_ns()
-            sock.send(request)
-            sock.recv()
-            samples.append((time.perf_counter_ns() - start) / 1e3)
-        elapsed = time.perf_counter() - began
+        echo_round_trips(sock, request, 500)
+        elapsed, samples = echo_round_trips(sock, request, requests)
     finally:
         sock.close(0)
     return requests / elapsed, statistics.median(samples)
 
 
-def measure_floor(transport: str, lookup_keys: int) -> tuple[float, float]:
-    """Start an echo process on a fresh endpoint of ``transport`` and measure it."""
+@contextlib.contextmanager
+def echo_process(transport: str) -> Iterator[tuple[str, int]]:
+    """An echo process on a fresh endpoint of ``transport``, stopped on the way out: its
+    URL and pid."""
     _, url = endpoint(transport, "echo")
     proc = subprocess.Popen(
         [sys.executable, __file__, "--echo-server", url], stdout=subprocess.PIPE, text=True
@@ -159,14 +198,13 @@ def measure_floor(transport: str, lookup_keys: int) -> tuple[float, float]:
         assert proc.stdout is not None
         if proc.stdout.readline().strip() != "ready":
             raise SystemExit("the echo process did not start")
-        result = echo_floor(url, lookup_keys, ECHO_REQUESTS)
+        yield url, proc.pid
         stopper: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         stopper.setsockopt(zmq.LINGER, 1000)
         stopper.connect(url)
         stopper.send(_STOP)
         stopper.close()
         proc.wait(10)
-        return result
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -175,6 +213,107 @@ def measure_floor(transport: str, lookup_keys: int) -> tuple[float, float]:
             # libzmq leaves the socket file behind when the echo process unbinds.
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(url[len("ipc://") :])
+
+
+def measure_floor(transport: str, keys: Sequence[ObjectKey]) -> tuple[float, float]:
+    """Start an echo process on a fresh endpoint of ``transport`` and measure it with the
+    request a LOOKUP of ``keys`` sends."""
+    with echo_process(transport) as (url, _):
+        return echo_floor(url, keys, ECHO_REQUESTS)
+
+
+@contextlib.contextmanager
+def pinned(placements: dict[int, int]) -> Iterator[None]:
+    """Every thread of each process (pid) on the one CPU given for it, as it was again on
+    the way out (threads started meanwhile inherit their starter's)."""
+    saved: list[tuple[int, set[int]]] = []
+    try:
+        for pid, cpu in placements.items():
+            for task in os.listdir(f"/proc/{pid}/task"):
+                tid = int(task)
+                with contextlib.suppress(ProcessLookupError):
+                    saved.append((tid, os.sched_getaffinity(tid)))
+                    os.sched_setaffinity(tid, {cpu})
+        yield
+    finally:
+        for tid, cpus in saved:
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(tid, cpus)
+
+
+def floor_placement(server_pid: int | None) -> tuple[int, int] | None:
+    """(this process's CPU, the server's and the echo process's CPU) for
+    ``lookup_against_floor``, or None: no server process of this run, or one CPU."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if server_pid is None or len(cpus) < 2:
+        return None
+    return cpus[0], cpus[1]
+
+
+def lookup_against_floor(
+    url: str, transport: str, lookup_keys: int, requests: int, server_pid: int | None = None
+) -> tuple[float, float, float, tuple[int, int] | None]:
+    """Sequential LOOKUPs of ``lookup_keys`` keys in L1 through the client, and the bare
+    round trip of the same request bytes to an echo process, in alternating rounds (each
+    ``requests`` / ``FLOOR_ROUNDS`` long, the order turned every pair): (median over the
+    pairs of LOOKUP/s over echo/s, median LOOKUP/s, median echo/s, the placement).  The before/after floor
+    next to one long LOOKUP run compares figures taken under different loads on a shared
+    machine; a pair of rounds is taken under the same one.  Each round's locks are
+    released after it, as an engine done with the prompt does.
+
+    With the pid of the server process (started by this run) and two CPUs or more
+    (``floor_placement``), this process is pinned to one CPU for the rounds, the server
+    and the echo process to another.  A sequential round trip is about twice as
+    fast with the two ends on cores of their own as on one shared core, and the scheduler
+    picks either for each process pair: unpinned, the two sides of a pair may be measured
+    under different placements and the ratio swings (0.24x-0.83x in three runs of one
+    minute).  Pinned, both are measured as an engine and a server on a larger machine
+    run, each on its own core."""
+    keys = run_bench_keys(lookup_keys)
+    per_round = max(1, requests // FLOOR_ROUNDS)
+    request = floor_request(keys)
+    lookup_rates: list[float] = []
+    echo_rates: list[float] = []
+    placement = floor_placement(server_pid)
+    with echo_process(transport) as (echo_url, echo_pid), Client(url) as client:
+        client.store(keys, [bytes(4096)] * lookup_keys, l1_only=True)
+        sock = echo_socket(echo_url)
+        placements = {}
+        if placement is not None and server_pid is not None:
+            placements = {os.getpid(): placement[0], server_pid: placement[1], echo_pid: placement[1]}
+        try:
+
+            def lookups() -> float:
+                began = time.perf_counter()
+                for _ in range(per_round):
+                    if client.lookup(keys) != lookup_keys:
+                        raise SystemExit(f"LOOKUP did not find all {lookup_keys} keys stored in L1")
+                elapsed = time.perf_counter() - began
+                client.release(keys)
+                return per_round / elapsed
+
+            def echoes() -> float:
+                return per_round / echo_round_trips(sock, request, per_round)[0]
+
+            with pinned(placements):
+                echoes(), lookups()  # warm both up
+                for pair in range(FLOOR_ROUNDS):
+                    if pair % 2:
+                        lookup_rates.append(lookups())
+                        echo_rates.append(echoes())
+                    else:
+                        echo_rates.append(echoes())
+                        lookup_rates.append(lookups())
+        finally:
+            sock.close(0)
+            client.evict(keys)
+    ratios = [lookup / echo for lookup, echo in zip(lookup_rates, echo_rates, strict=True)]
+    return (
+        statistics.median(ratios),
+        statistics.median(lookup_rates),
+        statistics.median(echo_rates),
+        placement,
+    )
 
 
 def bare_requests(url: str, lookup_keys: int, requests: int) -> tuple[float, float]:
@@ -208,6 +347,12 @@ def bare_requests(url: str, lookup_keys: int, requests: int) -> tuple[float, flo
     return statistics.median(samples[ping]), statistics.median(samples[lookup])
 
 
+def placed(placement: tuple[int, int] | None) -> str:
+    if placement is None:
+        return "not pinned: a server not started here, or one CPU"
+    return f"this process on CPU {placement[0]}, the server and the echo process on CPU {placement[1]}"
+
+
 # -- cost per key -----------------------------------------------------------------------------
 
 
@@ -225,9 +370,8 @@ def lookup_p50s(
     ``distinct`` a list that starts one key further each time (a new prefix each time).
     With ``release``, the RELEASE of the keys each LOOKUP locked is timed instead (an
     engine done with a prompt: every lock a lookup takes is given back this way)."""
-    salt = f"bench-slope-{os.getpid()}"
     total = long + (DISTINCT_STARTS if distinct else 0)
-    keys = [ObjectKey("bench-slope", 0, index.to_bytes(4, "big") * 8, 0, salt) for index in range(total)]
+    keys = slope_keys(total)
     samples: dict[int, list[float]] = {short: [], long: []}
     starts = itertools.cycle(range(DISTINCT_STARTS if distinct else 1))
     with Client(url) as client:
@@ -345,7 +489,8 @@ def main() -> None:
             raise
     extra = StoreFigures()
     try:
-        floor_before = measure_floor(transport, args.lookup_keys)
+        floor_keys = run_bench_keys(args.lookup_keys)
+        floor_before = measure_floor(transport, floor_keys)
         result = run_with_progress(
             url,
             show=not args.json,
@@ -355,14 +500,17 @@ def main() -> None:
             lookup_keys=args.lookup_keys,
             lookup_requests=args.lookup_requests,
         )
-        floor_after = measure_floor(transport, args.lookup_keys)
+        floor_after = measure_floor(transport, floor_keys)
+        alternating = lookup_against_floor(
+            url, transport, args.lookup_keys, args.lookup_requests, None if proc is None else proc.pid
+        )
         bare_ping, bare_lookup = bare_requests(url, args.lookup_keys, args.lookup_requests // 2)
         slope = None
         distinct_slope = release_slope = unseen_slope = (0.0, 0.0)
         if args.long_lookup_keys > args.lookup_keys:
             long_keys = args.long_lookup_keys
             short_p50, long_p50 = lookup_p50s(url, args.lookup_keys, long_keys, args.lookup_requests)
-            echo_long = measure_floor(transport, args.long_lookup_keys)
+            echo_long = measure_floor(transport, slope_keys(args.long_lookup_keys))
             slope = (short_p50, long_p50, min(floor_before[1], floor_after[1]), echo_long[1])
             distinct_slope = lookup_p50s(
                 url, args.lookup_keys, long_keys, args.lookup_requests, distinct=True
@@ -389,6 +537,9 @@ def main() -> None:
         data["zmq_echo_per_s"] = [floor_before[0], floor_after[0]]
         data["zmq_echo_p50_us"] = [floor_before[1], floor_after[1]]
         data["lookup_vs_zmq_echo"] = result.lookup_per_s / floor_per_s
+        data["lookup_vs_zmq_echo_alternating"] = alternating[0]
+        data["alternating_lookup_echo_per_s"] = [alternating[1], alternating[2]]
+        data["alternating_cpus_client_server"] = list(alternating[3]) if alternating[3] else None
         data["bare_socket_ping_lookup_p50_us"] = [bare_ping, bare_lookup]
         if slope is not None:
             added = args.long_lookup_keys - args.lookup_keys
@@ -424,8 +575,10 @@ def main() -> None:
         f"(target >= {LOOKUP_TARGET_PER_S:,})",
         f"bare ZeroMQ round trip over {transport}, before / after: "
         f"{floor_before[0]:,.0f} / {floor_after[0]:,.0f} req/s "
-        f"(LOOKUP reaches {result.lookup_per_s / floor_per_s:.2f}x of the better one; "
-        f"target >= {LOOKUP_FLOOR_TARGET}x)",
+        f"(LOOKUP reaches {result.lookup_per_s / floor_per_s:.2f}x of the better one)",
+        f"LOOKUP {keys} against the bare round trip in alternating rounds: {alternating[0]:.2f}x "
+        f"(median of {FLOOR_ROUNDS} pairs; {alternating[1]:,.0f} vs {alternating[2]:,.0f} req/s; "
+        f"{placed(alternating[3])}; target >= {LOOKUP_FLOOR_TARGET}x)",
         f"the same through a bare DEALER socket, no client library: PING p50 {bare_ping:.0f} us, "
         f"LOOKUP {keys} p50 {bare_lookup:.0f} us (the client's PING p50 {result.ping_p50_us:.0f} us)",
     ]

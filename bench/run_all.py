@@ -276,6 +276,11 @@ def headline(outcomes: dict[str, Outcome]) -> list[str]:
             f"| LOOKUP {data.get('lookup_keys')} keys, sequential | {lookups:,.0f}/s "
             f"({lookups / echo if echo else 0:.2f} x) | bare ZeroMQ round trip {echo:,.0f}/s |"
         )
+        if data.get("lookup_vs_zmq_echo_alternating") is not None:
+            lines.append(
+                f"| LOOKUP {data.get('lookup_keys')} keys, in rounds alternating with the bare round trip | "
+                f"{data['lookup_vs_zmq_echo_alternating']:.2f} x | the same rounds' bare round trip |"
+            )
         long_keys = data.get("long_lookup_keys")
         for label, figure in (
             ("LOOKUP, the same key list", "lookup_us_per_extra_key"),
