@@ -290,3 +290,49 @@ def test_ctrl_c_as_the_replay_loads_its_modules_is_one_line(tmp_path: Path) -> N
     assert code == 130, err
     assert out == ""
     assert _one_error_line(err) == "error: interrupted (SIGINT) while starting; nothing was replayed"
+
+
+@SIGNALS
+def test_a_signal_as_the_plugins_load_is_one_line(tmp_path: Path, sig: int) -> None:
+    """SIGTERM before the command's handlers were in place (the plugins loading, a second
+    on a loaded machine) ended the process silently: exit -15, not a word."""
+    marker = tmp_path / "loaded"
+    args = ["replay", str(small_trace(tmp_path / "t.jsonl")), "--simulate"]
+    code, out, err = _signal_once_held(
+        _launch_held("lmcache_tiers.plugins", "load_plugins", marker, args), marker, sig
+    )
+    assert code == 128 + sig, err
+    assert out == ""
+    name = signal.Signals(sig).name
+    assert _one_error_line(err) == f"error: interrupted ({name}) as the command started"
+
+
+#: the console script as installed (``from lmcache_tiers.cli.main import main``), with the
+#: import of MODULE creating the file MARKER and waiting
+_ENTRY_POINT_HELD = _HELD_IMPORT.replace(
+    'from lmcache_tiers.cli.main import main\nsys.argv[0] = "lmcache-tiers"\nmain(sys.argv[1:])',
+    'from lmcache_tiers.cli.main import main\nsys.argv[0] = "lmcache-tiers"\nsys.exit(main())',
+)
+
+
+@SIGNALS
+def test_a_signal_as_the_entry_point_imports_is_one_line(tmp_path: Path, sig: int) -> None:
+    """The console script imports the command line's modules (typer, rich, the config)
+    before calling main: Ctrl-C there printed a KeyboardInterrupt traceback, SIGTERM ended
+    it silently.  The entry point's module now imports nothing heavy before main() has
+    put the handling in place; typer is the first heavy import after it."""
+    assert "sys.exit(main())" in _ENTRY_POINT_HELD
+    marker = tmp_path / "importing"
+    args = ["replay", str(small_trace(tmp_path / "t.jsonl")), "--simulate"]
+    replay = subprocess.Popen(
+        [sys.executable, "-c", _ENTRY_POINT_HELD, "typer", str(marker), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=stop_signals_at_default(),
+    )
+    code, out, err = _signal_once_held(replay, marker, sig)
+    assert code == 128 + sig, err
+    assert out == ""
+    name = signal.Signals(sig).name
+    assert _one_error_line(err) == f"error: interrupted ({name}) as the command started"

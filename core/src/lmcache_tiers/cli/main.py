@@ -7,33 +7,39 @@ command and group, plugin commands included.
 
 from __future__ import annotations
 
+# Only the standard library here: the console script imports this module before main()
+# can put the stop-signal handling in place (see cli.stop_signals); the rest is imported
+# by the functions that use it.
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import typer
-from typer.exceptions import TyperException
-
-from lmcache_tiers import __version__
-from lmcache_tiers.cli.output import EXIT_USAGE, fail, warn
-from lmcache_tiers.errors import TiersError
-from lmcache_tiers.registry import Kind
+from lmcache_tiers.cli.stop_signals import ended_at_start
 
 if TYPE_CHECKING:
+    import typer
+
     from lmcache_tiers.plugins import PluginSet
 
 HELP_OPTION_NAMES = ["-h", "--help"]
 
 
 def _version(value: bool) -> None:
+    import typer
+
+    from lmcache_tiers import __version__
+
     if value:
         typer.echo(f"lmcache-tiers {__version__}")
         raise typer.Exit()
 
 
 def build_app(with_plugin_commands: bool = True) -> typer.Typer:
+    import typer
+
     from lmcache_tiers.cli import plugins_cmd, serve_cmd
     from lmcache_tiers.plugins import load_plugins
+    from lmcache_tiers.registry import Kind
 
     plugin_set = load_plugins()
     adapters = ", ".join(plugin_set.registry.names(Kind.L2_ADAPTER)) or "none"
@@ -73,6 +79,7 @@ def add_plugin_commands(app: typer.Typer, plugin_set: PluginSet) -> None:
     commands are left out instead: one line on stderr says so, and the plugin is listed
     with the error (``serve --strict`` refuses to start with it).
     """
+    from lmcache_tiers.cli.output import warn
     from lmcache_tiers.errors import PluginError
     from lmcache_tiers.plugins import call_each
 
@@ -117,6 +124,8 @@ def command_tree(app: typer.Typer) -> Any:
     typer's rich help prints a type such as ``<bool>`` next to every on/off flag, including
     ``--help`` and ``--version``, as if they took a value; an empty metavar removes it.
     """
+    import typer
+
     root = typer.main.get_command(app)
     pending = [root]
     while pending:
@@ -131,15 +140,21 @@ def command_tree(app: typer.Typer) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point."""
-    run(lambda: command_tree(build_app()), argv)
+    """Console-script entry point: a stop signal from its first instant on is one line."""
+    with ended_at_start():
+        run(lambda: command_tree(build_app()), argv)
 
 
 def run(make_command: Callable[[], Any], argv: list[str] | None) -> None:
     """Run the command ``make_command`` builds on ``argv``, every usage and configuration
     error one line on stderr and exit code 2.  (Tests build the command once and run it
     on many inputs.)"""
+    import typer
+    from typer.exceptions import TyperException
+
     from lmcache_tiers.cli import lmcache_flags
+    from lmcache_tiers.cli.output import EXIT_USAGE, fail
+    from lmcache_tiers.errors import TiersError
 
     try:
         command = make_command()

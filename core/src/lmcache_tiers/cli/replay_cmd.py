@@ -21,6 +21,7 @@ import typer
 
 from lmcache_tiers.cli.commands_server import MAX_TIMEOUT_S, WAIT_TIMEOUT_HELP, client_token, server_url
 from lmcache_tiers.cli.output import fail, stderr, stdout
+from lmcache_tiers.cli.stop_signals import signalled
 from lmcache_tiers.config import ServerConfig
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.replay.trace import REPLAY_MODEL, REPLAY_SALT
@@ -137,8 +138,6 @@ def _ended_by_signal(step: _Step) -> Iterator[None]:
         if isinstance(exc, KeyboardInterrupt):
             signum: int | None = signal.SIGINT  # only Ctrl-C raises it, maybe before the import
         else:
-            from lmcache_tiers.replay.server import signalled
-
             signum = signalled(exc)
         if signum is None:
             raise  # an error whose line is printed already

@@ -20,6 +20,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+# the command line's own: a signal before the replay's handlers raises the same
+from lmcache_tiers.cli.stop_signals import unwinding
 from lmcache_tiers.client import Client, ClientError, RequestTimeoutError, ServerError
 from lmcache_tiers.client.connection import CLEANUP_TIMEOUT_S
 from lmcache_tiers.keys import ObjectKey
@@ -177,28 +179,6 @@ class _SignalDeferral:
 _deferral = _SignalDeferral()
 
 
-#: the attribute that marks an exception a signal raised (``signalled``)
-_SIGNAL_MARK = "replay_signal"
-
-
-def _unwinding(signum: int) -> BaseException:
-    """What a signal raises where the replay is: KeyboardInterrupt for SIGINT,
-    SystemExit(128 + signum) otherwise (read back by ``signal_of``), marked as a signal's
-    so that it is told apart from the SystemExit of an error already reported."""
-    exc: BaseException = KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
-    setattr(exc, _SIGNAL_MARK, signum)
-    return exc
-
-
-def signalled(exc: BaseException) -> int | None:
-    """The signal that raised ``exc`` (SIGINT for any KeyboardInterrupt, which only Ctrl-C
-    raises), or None: a SystemExit of ``sys.exit``, whose error line is printed already."""
-    if isinstance(exc, KeyboardInterrupt):
-        return int(getattr(exc, _SIGNAL_MARK, signal.SIGINT))
-    mark = getattr(exc, _SIGNAL_MARK, None)
-    return mark if isinstance(mark, int) else None
-
-
 @contextlib.contextmanager
 def signals_unwind(*, then_ignore: bool = False) -> Iterator[None]:
     """SIGTERM raises SystemExit(128 + 15) and SIGINT KeyboardInterrupt where the replay is,
@@ -234,7 +214,7 @@ def signals_unwind(*, then_ignore: bool = False) -> Iterator[None]:
             _cut_short.asked = _cut_short.asked or _cut_short.armed
         _ignore_signals()
         _deferral.pending = None
-        raise _unwinding(signum)
+        raise unwinding(signum)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -266,7 +246,7 @@ def signals_deferred(*, second_cuts: bool = False) -> Iterator[None]:
         if not _deferral.depth and _deferral.pending is not None:
             _ignore_signals()  # no second one cuts the clean-up short
             signum, _deferral.pending = _deferral.pending, None
-            raise _unwinding(signum)
+            raise unwinding(signum)
 
 
 def replay_share(

@@ -1,0 +1,78 @@
+"""SIGTERM and Ctrl-C from the first instant of a command: one line and exit 128 + the signal.
+
+The command's own handling (serve's stop, the replay's unwinding) is in place only once
+its modules loaded, the plugins were discovered and its options parsed, a second or more
+on a loaded machine.  Before that SIGTERM ended the process silently (exit -15) and a
+Ctrl-C while the entry point imported printed a KeyboardInterrupt traceback.  This module
+imports nothing but the standard library, so that the entry point installs it before
+anything heavy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+#: the attribute that marks an exception a signal raised (``signalled``)
+SIGNAL_MARK = "replay_signal"
+
+
+def unwinding(signum: int) -> BaseException:
+    """What a stop signal raises where the command is: KeyboardInterrupt for SIGINT,
+    SystemExit(128 + signum) otherwise, marked as a signal's so that it is told apart from
+    the SystemExit of an error already reported."""
+    exc: BaseException = KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
+    setattr(exc, SIGNAL_MARK, signum)
+    return exc
+
+
+def signalled(exc: BaseException) -> int | None:
+    """The signal that raised ``exc`` (SIGINT for any KeyboardInterrupt, which only Ctrl-C
+    raises), or None: a SystemExit of ``sys.exit``, whose error line is printed already."""
+    if isinstance(exc, KeyboardInterrupt):
+        return int(getattr(exc, SIGNAL_MARK, signal.SIGINT))
+    mark = getattr(exc, SIGNAL_MARK, None)
+    return mark if isinstance(mark, int) else None
+
+
+def _raise_stop(signum: int, _frame: Any) -> None:
+    # Unwinding takes no time before the command runs: a second signal is not let cut
+    # the one line short.
+    for each in (signal.SIGTERM, signal.SIGINT):
+        if signal.getsignal(each) in (_raise_stop, signal.default_int_handler):
+            signal.signal(each, signal.SIG_IGN)
+    raise unwinding(signum)
+
+
+@contextlib.contextmanager
+def ended_at_start() -> Iterator[None]:
+    """Run the command with SIGTERM raising (SIGINT raises KeyboardInterrupt already); a
+    stop signal nothing else reported is one line on stderr and exit 128 + the signal.
+
+    A signal the process inherited ignored stays ignored (a server started in a script's
+    background keeps SIGINT ignored, and serve tells that case by it).  The handlers from
+    before are put back on the way out (tests run the entry point in their own process)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    if previous[signal.SIGTERM] == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_stop)
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit) as exc:
+        signum = signalled(exc)
+        if signum is None:
+            raise  # sys.exit() of an error already reported
+        # Written as it is: the console module may be what was importing.
+        sys.stderr.write(f"error: interrupted ({signal.Signals(signum).name}) as the command started\n")
+        sys.stderr.flush()
+        raise SystemExit(128 + signum) from None
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:
+                signal.signal(sig, handler)
