@@ -26,11 +26,12 @@ serde chain, XXH3-128 checksum of the payload) followed by the payload.
   removed.
 * CPU work on payloads (checksums of a store's headers, a load's verification) of
   batches large enough is split between threads, one per core (xxhash releases the
-  GIL).  It runs between Mooncake calls, not during them: a Mooncake transfer keeps its
-  calling thread busy polling for completion, so on a small machine checksums taken
-  during one only compete with it for the cores (measured with ``bench/bench_mooncake.py``: verifying a
-  chunk while the next was read was 8 % slower than reading the whole batch, then
-  verifying on both cores).
+  GIL); stores and loads have helper threads of their own, each at its callers'
+  priority (see :mod:`.helpers`).  It runs between Mooncake calls, not during them: a
+  Mooncake transfer keeps its calling thread busy polling for completion, so on a small
+  machine checksums taken during one only compete with it for the cores (measured with
+  ``bench/bench_mooncake.py``: verifying a chunk while the next was read was 8 % slower
+  than reading the whole batch, then verifying on both cores).
 * Delete: the records' headers are read first (one ranged read per lane of keys), and
   only this server's records are removed: another key's intact record and a newer
   format's (another writer replaced the object under the name) are kept, as lookups
@@ -79,6 +80,7 @@ from lmcache_plugin_mooncake.client import (
 )
 from lmcache_plugin_mooncake.config import MooncakeStoreConfig
 from lmcache_plugin_mooncake.headers import HEADER_BYTES, HeaderLanes, Lane, address_of, chunks
+from lmcache_plugin_mooncake.helpers import HelperThreads
 from lmcache_plugin_mooncake.listing import iter_pool_names
 from lmcache_tiers.plugin import (
     BackendContext,
@@ -260,9 +262,13 @@ class MooncakeStoreBackend:
         )
         # Take checksums next to the calling thread: as many threads in all as cores.
         self._parts = max(1, min(os.cpu_count() or 1, config.num_workers + 1))
-        self._helpers = ThreadPoolExecutor(
-            config.num_workers * (self._parts - 1) or 1, thread_name_prefix=f"mooncake-{context.name}-sum"
+        helpers = config.num_workers * (self._parts - 1)
+        # Each kind at its callers' priority (see .helpers): a store's started by the
+        # first store needing one (write-back's), a load's now (the process's).
+        self._store_helpers = ThreadPoolExecutor(
+            helpers or 1, thread_name_prefix=f"mooncake-{context.name}-sum"
         )
+        self._load_helpers = HelperThreads(f"mooncake-{context.name}-verify", helpers)
         self._throttle = _Throttle()
         #: names whose next lookup must ask the master for their size (see _known_size)
         self._resized: set[str] = set()
@@ -312,7 +318,8 @@ class MooncakeStoreBackend:
                 _CALL_TIMEOUTS * self.timeout,
             )
         self.calls.close()
-        self._helpers.shutdown(wait=True)
+        self._store_helpers.shutdown(wait=True)
+        self._load_helpers.shutdown()
 
     def _client_closed_late(self) -> None:
         """The client a close left open under running calls was closed as the last ended."""
@@ -458,16 +465,22 @@ class MooncakeStoreBackend:
             "header_lanes_free": self.lanes.free,
         }
 
-    def _in_parallel(self, work: Callable[[Sequence[int]], None], count: int, nbytes: int) -> None:
-        """``work`` over ``range(count)``, split between this thread and helper threads
-        when the items hold at least ``PARALLEL_MIN_BYTES``; the first exception raised
-        is raised here once every part ended (parts write disjoint items only)."""
+    def _in_parallel(
+        self,
+        helpers: ThreadPoolExecutor | HelperThreads,
+        work: Callable[[Sequence[int]], None],
+        count: int,
+        nbytes: int,
+    ) -> None:
+        """``work`` over ``range(count)``, split between this thread and ``helpers`` when
+        the items hold at least ``PARALLEL_MIN_BYTES``; the first exception raised is
+        raised here once every part ended (parts write disjoint items only)."""
         parts = min(self._parts, count) if nbytes >= PARALLEL_MIN_BYTES else 1
         if parts <= 1:
             work(range(count))
             return
         # Interleaved parts: payloads of one batch are mostly of one size.
-        helping = [self._helpers.submit(work, range(part, count, parts)) for part in range(1, parts)]
+        helping = [helpers.submit(work, range(part, count, parts)) for part in range(1, parts)]
         try:
             work(range(0, count, parts))
         finally:
@@ -535,7 +548,7 @@ class MooncakeStoreBackend:
                     keys[index], batch.payloads[index], align=HEADER_BYTES
                 )
 
-        self._in_parallel(encode, len(keys), sum(batch.sizes))
+        self._in_parallel(self._store_helpers, encode, len(keys), sum(batch.sizes))
         writable = [index for index, header in enumerate(batch.headers) if len(header) == HEADER_BYTES]
         reserved = [_HEADER_TOO_LONG] * len(keys)
         for index, header in enumerate(batch.headers):
@@ -951,7 +964,7 @@ class MooncakeStoreBackend:
                         "get", "%s: get of %s returned %s", self.context.name, name, describe(code)
                     )
 
-        self._in_parallel(check, len(keys), sum(buffer.nbytes for buffer in buffers))
+        self._in_parallel(self._load_helpers, check, len(keys), sum(buffer.nbytes for buffer in buffers))
 
     def _verified(self, store: Any, key: ObjectKey, name: str, slot: memoryview, payload: memoryview) -> bool:
         size = HEADER_BYTES + payload.nbytes
