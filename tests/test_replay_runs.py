@@ -5,6 +5,7 @@ test_replay_cli.py (a file of its own: each half is a test worker's share)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -116,6 +117,29 @@ def test_plot_under_the_longest_file_name_is_written(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(tmp_path.iterdir()) == sorted([plot, tmp_path / "t.jsonl"])
+
+
+def test_plot_through_a_symbolic_link_writes_the_file_it_points_at(tmp_path: Path) -> None:
+    """A --plot that was a symbolic link was replaced by the image (a rename over the link):
+    the file it pointed at kept the old curve and the link was gone."""
+    pytest.importorskip("matplotlib")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    target = shared / "curve.png"
+    target.write_bytes(b"the old curve")
+    link = tmp_path / "latest.png"
+    link.symlink_to(target)
+    dangling = tmp_path / "next.png"
+    dangling.symlink_to(shared / "next-curve.png")  # not there yet: created, as open would
+    trace = str(small_trace(tmp_path / "t.jsonl"))
+    for plot in (link, dangling):
+        result = run_cli(["replay", trace, "--simulate", "--capacity", "8", "--plot", str(plot), "--json"])
+        assert result.returncode == 0, result.stderr
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert dangling.is_symlink() and os.readlink(dangling) == str(shared / "next-curve.png")
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (shared / "next-curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in shared.iterdir()) == ["curve.png", "next-curve.png"]  # no partial file
 
 
 def test_in_process_replay_reports_json(tmp_path: Path) -> None:

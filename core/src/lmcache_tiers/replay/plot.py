@@ -42,25 +42,34 @@ def _new_file_beside(path: str | Path) -> str:
     return temporary
 
 
+def written_file(path: str | Path) -> str:
+    """The file ``--plot path`` writes: ``path``, or the file a symbolic link there points
+    at (written through, as a plain ``open`` would; replacing the link with the image
+    would cut it from wherever it pointed)."""
+    return os.path.realpath(path)
+
+
 def check_plot_path(path: str) -> None:
     """Refuse, before any simulation runs, a ``--plot`` file that cannot be written: one
     without a supported extension (nothing is appended to a name), a directory, one in a
     directory that does not exist or where no file can be created (read-only, /proc); and
-    matplotlib not installed."""
+    matplotlib not installed.  A symbolic link is judged by the file it points at."""
     extension = os.path.splitext(path)[1].lower().lstrip(".")
     if extension not in PLOT_FORMATS:
         *others, last = (f".{name}" for name in PLOT_FORMATS)
         raise ConfigError(
             f"--plot {path}: give a file name ending in {', '.join(others)} or {last} (the format follows it)"
         )
-    if os.path.isdir(path):
-        raise ConfigError(f"--plot {path}: is a directory; give a file name")
-    parent = os.path.dirname(os.path.abspath(path))
+    target = written_file(path)
+    through = "" if target == os.path.abspath(path) else f" (a link to {target})"
+    if os.path.isdir(target):
+        raise ConfigError(f"--plot {path}{through}: is a directory; give a file name")
+    parent = os.path.dirname(target)
     if not os.path.isdir(parent):
-        raise ConfigError(f"--plot {path}: directory {parent} does not exist")
+        raise ConfigError(f"--plot {path}{through}: directory {parent} does not exist")
     try:
         # as the plot is written at the end, where a refusal would throw the simulation away
-        os.unlink(_new_file_beside(path))
+        os.unlink(_new_file_beside(target))
     except OSError as exc:
         raise ConfigError(f"--plot {path}: cannot create a file in {parent}: {exc.strerror or exc}") from None
     try:
@@ -102,9 +111,10 @@ def plot_curve(points: Sequence[CapacityPoint], path: str | Path, *, title: str)
     figure.tight_layout()
     temporary: str | None = None
     try:
-        temporary = _new_file_beside(path)
+        target = written_file(path)
+        temporary = _new_file_beside(target)
         figure.savefig(temporary, dpi=120, format=os.path.splitext(path)[1].lower().lstrip("."))
-        os.replace(temporary, path)
+        os.replace(temporary, target)
     except BaseException as exc:
         if temporary is not None:
             with contextlib.suppress(OSError):
