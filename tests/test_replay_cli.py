@@ -351,3 +351,23 @@ def test_an_unknown_policy_is_refused_before_the_trace_is_re_timed(
     assert result.returncode == 2
     assert "unknown eviction policy 'LRUU'" in _error_line(result)
     assert prepared == []
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "said"),
+    [
+        # nan is neither below nor above a bound: typer's range check said it was
+        ("--time-scale", "nan", "nan is not a finite number"),
+        ("--time-scale", "-inf", "-inf is not a finite number"),
+        ("--time-scale", "-1", "Input should be greater than or equal to 0"),
+        ("--timeout", "nan", "nan is not a finite number"),
+        ("--timeout", "1e9", "Input should be less than or equal to 86400"),
+    ],
+)
+def test_a_float_option_that_is_not_a_finite_number_in_range_says_so(
+    tmp_path: Path, flag: str, value: str, said: str
+) -> None:
+    trace = str(small_trace(tmp_path / "t.jsonl"))
+    result = run_cli_in_process(["replay", trace, "--in-process", "--l1-blocks", "10", flag, value])
+    assert result.returncode == 2
+    assert _error_line(result) == f"error: Invalid value for '{flag}': {said}"

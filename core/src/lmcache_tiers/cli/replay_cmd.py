@@ -14,7 +14,7 @@ import math
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any, Optional
 
 import typer
@@ -99,11 +99,26 @@ def _refuse_other_modes(ctx: typer.Context, mode: str) -> None:
             fail(f"{param.opts[0]} applies only to {where}, not to {mode}")
 
 
-def _finite(value: float | None) -> float | None:
-    """Callback of float options that must be finite."""
-    if value is not None and not math.isfinite(value):
-        raise typer.BadParameter(f"{value} is not a finite number")
-    return value
+def _finite_in(low: float, high: float | None = None) -> Callable[[Any], float]:
+    """Parser of a float option that must be finite and within [low, high].  typer checks
+    an option's ``min``/``max`` before any callback, and said of nan, which is neither
+    below nor above a bound, "Input should be greater than or equal to 0"; with a parser it
+    shows ``min``/``max`` in the help and leaves the checks to it."""
+
+    def parse(raw: Any) -> float:
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            raise typer.BadParameter(f"{raw!r} is not a number") from None
+        if not math.isfinite(value):
+            raise typer.BadParameter(f"{raw} is not a finite number")
+        if value < low:
+            raise typer.BadParameter(f"Input should be greater than or equal to {low:g}")
+        if high is not None and value > high:
+            raise typer.BadParameter(f"Input should be less than or equal to {high:g}")
+        return value
+
+    return parse
 
 
 class _Step:
@@ -229,7 +244,9 @@ def replay(
     time_scale: Annotated[
         float,
         typer.Option(
-            min=0.0, callback=_finite, help="Replay seconds per trace second; 0 sends as fast as possible."
+            min=0.0,
+            parser=_finite_in(0.0),
+            help="Replay seconds per trace second; 0 sends as fast as possible.",
         ),
     ] = 0.0,
     clients: Annotated[
@@ -240,7 +257,12 @@ def replay(
             help="Client processes sharing the requests (server mode), each a Python process of its own.",
         ),
     ] = 1,
-    timeout: Annotated[float, typer.Option(min=0.01, max=MAX_TIMEOUT_S, help=WAIT_TIMEOUT_HELP)] = 60.0,
+    timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.01, max=MAX_TIMEOUT_S, parser=_finite_in(0.01, MAX_TIMEOUT_S), help=WAIT_TIMEOUT_HELP
+        ),
+    ] = 60.0,
     auth_token: Annotated[
         Optional[str],
         typer.Option(
