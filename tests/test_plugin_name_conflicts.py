@@ -132,3 +132,11 @@ def test_disabling_one_of_them_gives_the_name_back(site: Path, tmp_path: Path) -
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["l2_adapters"][0]["type"] == "fs"
+
+
+def test_plugins_show_of_either_plugin_lists_the_contested_component(site: Path) -> None:
+    for plugin, distribution in (("fs", "lmcache-plugin-fs"), ("aaa-shadow-fs", "tiers-aaa-shadow-fs")):
+        result = run_cli(["plugins", "show", plugin], site, COLUMNS="400")
+        assert result.returncode == 0, result.stderr
+        assert f"l2_adapter:fs  (plugin {distribution})" in result.stdout
+        assert f"warning: {FS_CONTEST}" in result.stderr.splitlines()

@@ -65,7 +65,8 @@ def _matching_components(name: str) -> list[Component]:
     plugin_set = load_plugins()
     wanted = name.lower()
     by_plugin = [p for p in plugin_set.plugins if wanted in (p.name.lower(), p.distribution.lower())]
-    components = list(plugin_set.registry.components())
+    # each claimant of a contested name too: `plugins show` of either plugin lists it
+    components = list(plugin_set.registry.all_components())
     if by_plugin:
         dists = {p.distribution for p in by_plugin}
         return [c for c in components if c.plugin in dists]
