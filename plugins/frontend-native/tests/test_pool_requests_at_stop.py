@@ -162,27 +162,90 @@ def test_a_pool_request_ending_as_the_stop_comes_is_answered_counted_and_logged_
     assert server.storage.status()["l1"]["read_locks"] == 0
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_a_pool_request_still_running_at_a_forced_stop_is_counted_and_logged_as_given_up(
-    make_server: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, kind: str
-) -> None:
-    """Not answered (the stop does not wait for it), but counted once as refused
-    (``shutting_down``) and said in the stop's line, as a STORE_INLINE is."""
-    server = make_server(frontends=[{"type": "native", "pool_workers": 1}])
-    frontend, how = server.frontends[0], KINDS[kind]
-    keys = keys_of(4)
+def _stall_store(server: TiersServer, monkeypatch: pytest.MonkeyPatch, end: Callable[[], Any]) -> None:
+    storage = server.storage
+    lend = storage.lend
+
+    def stalled(obj: Any, *, fill: bool = False) -> Any:
+        if fill:
+            end()
+        return lend(obj, fill=fill)
+
+    monkeypatch.setattr(storage, "lend", stalled)
+
+
+def _send_store(server: TiersServer, sock: zmq.Socket[bytes], keys: list[ObjectKey]) -> None:
+    fresh = keys_of(len(keys))  # not stored yet: the store copies, and stalls there
+    header = p.encoder.encode(p.StoreInline(REQUEST, "", fresh))
+    sock.send_multipart([header, *(b"y" * CHUNK for _ in fresh)])
+
+
+#: with a STORE_INLINE, whose keys are counted as refused too when it is given up
+GIVEN_UP_KINDS = {**KINDS, "store_inline": Kind(_stall_store, _send_store, p.StoreReply)}
+
+
+def let_go_once_answered(server: TiersServer, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """An event the test's stalled pool request waits on, set only once the stop has
+    given up on it and answered it (the stop gives back what clients hold next): the
+    request ends then, its completion queued before the loop ends -- handled while the
+    last replies land after a drain, never after a forced stop."""
+    frontend = server.frontends[0]
+    router, handlers = frontend.rpc.router, frontend.handlers
     go_on = threading.Event()
+    release_everything = handlers.release_everything
+
+    def let_go_then_release() -> None:
+        go_on.set()
+        wait_for(lambda: len(router._completions) == 1, "the stalled request never ended")
+        release_everything()
+
+    monkeypatch.setattr(handlers, "release_everything", let_go_then_release)
+    return go_on
+
+
+@pytest.mark.parametrize("force", [True, False], ids=["forced", "drain_deadline"])
+@pytest.mark.parametrize("kind", list(GIVEN_UP_KINDS))
+def test_a_pool_request_still_running_at_the_stop_is_answered_shutting_down_once(
+    make_server: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    kind: str,
+    force: bool,
+) -> None:
+    """Given up (the stop does not wait for it), it is answered SHUTTING_DOWN at once --
+    its client does not wait for its own timeout -- and counted once as refused, a
+    store's keys too, and said in the stop's line.  Its work ends later: it gives back
+    what it holds and sends nothing (after a drain its completion is handled while the
+    last replies land: no second reply, none to a request reusing the id)."""
+    server = make_server(frontends=[{"type": "native", "pool_workers": 1}], shutdown_timeout_s=0.2)
+    frontend, how = server.frontends[0], GIVEN_UP_KINDS[kind]
+    storage = server.storage
+    keys = keys_of(4)
+    sent = replies_to(frontend, monkeypatch, REQUEST)
     with dealer(server.endpoint) as sock:
         _store(server, sock, keys)
+        go_on = let_go_once_answered(server, monkeypatch)
         how.stall(server, monkeypatch, lambda: go_on.wait(STALL_LIMIT_S))
         how.send(server, sock, keys)
         wait_for(lambda: frontend.rpc.router.in_pool == 1, "the request running on the pool")
-        frontend.stop(force=True)
+        frontend.stop(force=force)
         assert frontend.join(30)
-    go_on.set()  # the pool thread ends now, after the stop
+        frames = sock.recv_multipart()
+    reply = p.reply_decoder.decode(frames[0])
+    assert isinstance(reply, p.ErrorReply) and reply.req_id == REQUEST, reply
+    assert reply.code == p.ErrorCode.SHUTTING_DOWN.value and frames[1:] == []
+    if not force:  # the late completion was handled, and sent nothing
+        assert frontend.rpc.router.in_pool == 0
+    assert [type(reply) for reply in sent] == [p.ErrorReply]
     stats = frontend.stats()
     assert stats.failures["shutting_down"] == 1
-    assert sum(stats.store_keys_refused.values()) == 0
+    assert stats.store_keys_refused["shutting_down"] == (4 if kind == "store_inline" else 0)
+    assert sum(stats.store_keys_refused.values()) == stats.store_keys_refused["shutting_down"]
     lines = [r.getMessage() for r in caplog.records if "given up at the stop" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("1 pool requests given up at the stop")
-    assert "0 of them STORE_INLINEs" in lines[0]
+    assert f"{int(kind == 'store_inline')} of them STORE_INLINEs" in lines[0]
+    # What the late work held is given back, and a given-up store made nothing visible
+    # (a late CLEAR still clears: it was not a store).
+    l1 = storage.status()["l1"]
+    assert (l1["read_locks"], l1["write_locked"]) == (0, 0)
+    assert l1["objects"] == (0 if kind == "clear" else 4)

@@ -46,6 +46,9 @@ Response = tuple[p._Reply, Frames]
 #: nothing left to send (the stop answered the request already)
 Finish = Callable[[], Response | None]
 
+#: the answer to a pool request the stop gave up on (still running, or never started)
+GIVEN_UP = "server is shutting down: the request was given up at the stop"
+
 #: the random base of the prefetch handles clients are told is below 2**62: a handle
 #: stays within the protocol's 63 bits for 2**62 prefetches
 _HANDLE_BASE_BITS = 62
@@ -594,17 +597,19 @@ class Handlers:
         self._pool_requests.add(request)
 
         def work() -> Finish:
-            if request.given_up:  # dropped by the stop before it ran: counted there
-                return self._given_up_reply(request.req_id)
-            try:
-                settled = run()
-            except BaseException as exc:
-                # Its ending raises the error, on the loop thread, where it is refused (a
-                # store's keys counted under the error's code): at its completion, or at
-                # the stop when that completion is never handled.
-                failed = functools.partial(_raise, exc)
-                settled = request.settle(lambda: failed)
-            return request.answer if settled else self._given_up_reply(request.req_id)
+            # Given up by the stop (before it ran, or while it ran): counted and answered
+            # there, so its ``answer`` here sends nothing -- not a second reply, nor one
+            # to a request of the client's that reuses the id.
+            if not request.given_up:
+                try:
+                    run()
+                except BaseException as exc:
+                    # Its ending raises the error, on the loop thread, where it is refused
+                    # (a store's keys counted under the error's code): at its completion,
+                    # or at the stop when that completion is never handled.
+                    failed = functools.partial(_raise, exc)
+                    request.settle(lambda: failed)
+            return request.answer
 
         def forget() -> None:
             self._pool_requests.discard(request)
@@ -631,37 +636,29 @@ class Handlers:
 
         return self._on_pool(request, run, kind, cleanup)
 
-    @staticmethod
-    def _given_up_reply(req_id: int) -> Callable[[], Response]:
-        """The reply of a request the stop gave up on, finishing late: it (and a store's
-        keys) was counted and logged at the stop, so nothing is counted here."""
-        message = "server is shutting down: the request was given up at the drain deadline"
-        return lambda: (p.ErrorReply(req_id, p.ErrorCode.SHUTTING_DOWN.value, message), ())
-
     def give_up_pool_requests(self) -> list[PoolRequest]:
-        """At the stop: requests still running on the pool when the drain ended, or
-        dropped from its queue before they ran, are never answered (nor a store
-        committed); they and a store's keys are counted as refused here (and not again
-        if one finishes later).  Those that ended but were not answered yet are returned,
-        to be answered (and counted as they ended) by the stop: a forced stop never
-        handles their completions."""
+        """At the stop: the pool's requests not answered yet, for the stop to answer (a
+        forced stop never handles their completions).  Those still running when the drain
+        ended, or dropped from the pool's queue before they ran, are given up: never
+        committed, answered SHUTTING_DOWN so that their clients do not wait for their own
+        timeouts, and counted as refused here with a store's keys (not again if one
+        finishes later).  Those that ended are answered and counted as they ended."""
         requests, self._pool_requests = self._pool_requests, set()
-        ended = [request for request in requests if not request.give_up()]
-        given_up = [request for request in requests if request.given_up]
+        given_up = [request for request in requests if request.give_up()]
         if not given_up:
-            return ended
+            return list(requests)
         stores = [request.keys for request in given_up if request.keys]
         self.stats.failure("shutting_down", len(given_up))
         if stores:
             self.stats.store_keys_refused["shutting_down"] += sum(stores)
         logger.warning(
             "%d pool requests given up at the stop (still running at the drain deadline, or not "
-            "started): not answered; %d of them STORE_INLINEs, none of their %d keys stored",
+            "started): answered SHUTTING_DOWN; %d of them STORE_INLINEs, none of their %d keys stored",
             len(given_up),
             len(stores),
             sum(stores),
         )
-        return ended
+        return list(requests)
 
     # -- retrieve and release ---------------------------------------------------------------
 
@@ -901,13 +898,16 @@ class PoolRequest:
 
     def give_up(self) -> bool:
         """Loop thread, at the stop: True if the request had not ended (now it never does:
-        it is the caller's to count); False if it had (it is the stop's to answer, since
-        its completion may never be handled)."""
+        it is the caller's to count, and its answer is SHUTTING_DOWN); False if it had.
+        Either way it is the stop's to answer, since its completion may never be handled."""
         with self._lock:
-            if not self._ended:
-                self.given_up = True
-                return True
-        return False
+            if self._ended:
+                return False
+            self.given_up = True
+            req_id = self.req_id
+            # Counted by the caller: the reply alone.
+            self._ending = lambda: (p.ErrorReply(req_id, p.ErrorCode.SHUTTING_DOWN.value, GIVEN_UP), ())
+            return True
 
     def answer(self) -> Response | None:
         """Loop thread: count how the request ended and build its reply (or raise its

@@ -99,10 +99,12 @@ class RpcServer:
         )
 
     def _shut_down(self) -> None:
-        """Answer the pool's requests that ended unanswered (a forced stop never handles
-        their completions): each is counted as it ended, its client told while the socket
-        is still open.  Only then give back what clients hold: the locks a wait answered
-        here hands its client are given back with the rest."""
+        """Answer the pool's requests not answered yet (a forced stop never handles their
+        completions), while the socket is still open: one that ended is counted as it
+        ended, one given up on (still running, or never started) is refused
+        SHUTTING_DOWN, so no client waits for its own timeout.  Only then give back what
+        clients hold: the locks a wait answered here hands its client are given back with
+        the rest."""
         for request in self.handlers.give_up_pool_requests():
             self._finish(request.identity, request.req_id, request.answer, request.keys)
         self.handlers.release_everything()
@@ -110,6 +112,7 @@ class RpcServer:
     def _sweep(self, now: float) -> None:
         self.handlers.collect_prefetches(now)
         self._count_expired_reservations(self.handlers.sessions.sweep(now))
+        self.handlers.release_fences_of_exited_writers()
 
     def _count_expired_reservations(self, keys: int) -> None:
         """Reservations a client neither committed nor aborted within the write TTL (it went
