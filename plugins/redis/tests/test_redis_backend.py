@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import msgspec
 import pytest
@@ -34,7 +35,9 @@ from lmcache_plugin_redis.backend import (
     glob_escape,
     trips,
 )
+from lmcache_plugin_redis.replies import ReplyReader
 from lmcache_plugin_redis.testing import RedisClusterNodes, RedisServer, missing_reason
+from lmcache_plugin_redis.writes import RecordHeaders
 
 from lmcache_tiers.config import L2EvictionConfig, decode_adapter
 from lmcache_tiers.errors import ConfigError
@@ -696,6 +699,81 @@ def test_batches_larger_than_a_pipeline_trip_round_trip(
     adapter.unlock(keys)
 
 
+def test_a_store_takes_the_next_trips_checksums_while_the_store_reads_this_trip(
+    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # The store reads a trip's bytes for most of the time its replies are waited for:
+    # the next trip's record headers (their payload checksums) are taken then, not while
+    # the store waits for that trip -- and each object's header once, by either trip.
+    adapter = open_adapter(url=redis_server.url, key_prefix=prefix, pipeline_max_bytes=1 << 16)
+    backend = backend_of(adapter)
+    events: list[str] = []
+    record_header, integer_reply = backend.context.record_header, ReplyReader.integer_reply
+    keys = make_keys(6)  # trips of two objects
+
+    def header_noted(key: ObjectKey, payload: memoryview, **options: Any) -> bytes:
+        events.append(f"header {keys.index(key)}")
+        return record_header(key, payload, **options)
+
+    def reply_noted(reader: ReplyReader) -> Any:
+        events.append("reply")
+        return integer_reply(reader)
+
+    backend.context.record_header = header_noted  # type: ignore[method-assign]
+    with mock.patch.object(ReplyReader, "integer_reply", reply_noted):
+        data = store(adapter, keys, size=30_000)
+    assert events == [
+        *["header 0", "header 1", "header 2", "header 3", "reply", "reply"],
+        *["header 4", "header 5", "reply", "reply"],
+        *["reply", "reply"],
+    ]
+    found = client_of(adapter).lookup_and_lock(keys)
+    assert load(adapter, keys, found.sizes) == ([True] * 6, data)
+    adapter.unlock(keys)
+
+
+def test_a_header_that_cannot_be_made_ahead_fails_in_its_own_trip_not_the_one_read() -> None:
+    # Taken ahead while the trip before waits for its replies, a header that cannot be
+    # made must not fail that trip (its objects are stored): its own trip raises it.
+    keys = make_keys(2)
+    payloads = [memoryview(bytearray(16)), memoryview(bytearray(16))]
+
+    class Context:
+        def record_header(self, key: ObjectKey, payload: memoryview) -> bytes:
+            if key == keys[1]:
+                raise ValueError("record header of 70000 bytes exceeds 65536")
+            return b"header"
+
+    headers = RecordHeaders(Context(), keys, payloads)  # type: ignore[arg-type]
+    headers.ahead([0, 1])
+    assert headers.of(0) == b"header"
+    with pytest.raises(ValueError, match="exceeds"):
+        headers.of(1)
+
+
+def test_a_trip_ending_on_an_object_over_a_limit_lowered_since_it_was_read_refuses_it_alone(
+    own_server: RedisServer,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The store answers the object over its proto-max-bulk-len with "ERR Protocol error:
+    # invalid bulk length" before closing the connection; as the trip's last command that
+    # is the reply read (redis-py drops the "ERR ", the direct reader keeps it): the limits
+    # are read again and the object refused alone, not counted as a reply error.
+    adapter = open_adapter(url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0)
+    own_server.cli("CONFIG", "SET", "proto-max-bulk-len", "1mb")
+    keys = make_keys(2)
+    buffers = [memoryview(bytearray(pattern(0, 4096))), memoryview(bytearray(pattern(1, (1 << 20) + 1)))]
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
+        assert client_of(adapter).store(keys, buffers) == [True, False]
+    stats = adapter.stats()
+    assert stats["store_refused_over_bulk_limit"] == 1, stats
+    assert stats.get("store_reply_errors", 0) == 0, stats
+    assert stats.get("backend_errors", 0) == 0, stats
+    assert adapter.used_bytes() == 4096
+
+
 def test_objects_that_fail_a_load_leave_the_rest_of_the_batch_loaded(
     redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
@@ -912,7 +990,12 @@ def test_the_circuit_probe_reads_the_stores_limits_again(
     # The store a probe reaches may be another (a failover) or restarted with other
     # limits: the probe reads them, so the first batch after it sends nothing over them
     # (the store answers no "Protocol error" as it drops the connection).
-    adapter = open_adapter(url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0)
+    # One store worker, its connection opened before the count: redis-py's connect sends
+    # CLIENT SETINFO, which a Redis older than 7.2 answers with an error reply.
+    adapter = open_adapter(url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0, num_workers=1)
+    opened = make_keys(1, start=100)
+    client_of(adapter).store(opened, [memoryview(bytearray(16))])
+    adapter.delete(opened)
     own_server.cli("CONFIG", "SET", "proto-max-bulk-len", "1mb")
     backend_of(adapter).ping()
     raw = redis.Redis.from_url(own_server.url)

@@ -72,6 +72,7 @@ from lmcache_plugin_redis.config import RedisConfig
 from lmcache_plugin_redis.direct import DirectConnections, Send, pack_command
 from lmcache_plugin_redis.limits import default_limits, read_limits
 from lmcache_plugin_redis.replies import ReplyReader
+from lmcache_plugin_redis.writes import RecordHeaders, RecordTrip
 from lmcache_tiers.plugin import (
     BackendContext,
     ConfigError,
@@ -300,7 +301,10 @@ def _dropped_connection(reply: Any) -> bool:
     pipeline hands over as that command's reply)."""
     if isinstance(reply, RedisConnectionError):
         return True
-    return isinstance(reply, ResponseError) and str(reply).startswith(BULK_OVER_LIMIT_ERROR)
+    # redis-py drops the error code from the text; the direct reader (replies.py) keeps it
+    return isinstance(reply, ResponseError) and str(reply).removeprefix("ERR ").startswith(
+        BULK_OVER_LIMIT_ERROR
+    )
 
 
 def _dropped_indices(batch: list[int], replies: list[Any] | Exception) -> list[int]:
@@ -1004,14 +1008,16 @@ class RedisBackend:
         failure: Exception | None = None
         sendable = self._within_bulk_limit(keys, payloads, indices)
         sizes = [payloads[index].nbytes for index in sendable]
-        for number, trip in enumerate(trips(sizes, self.config.pipeline_max_bytes), first_trip):
-            pipe = self._pipeline()
+        windows = list(trips(sizes, self.config.pipeline_max_bytes))
+        headers = RecordHeaders(self.context, keys, payloads)
+        for number, trip in enumerate(windows, first_trip):
             batch = [sendable[position] for position in trip]
-            for index in batch:
-                header = self.context.record_header(keys[index], payloads[index])
-                pipe.hset(self.name_of(keys[index]), mapping={HEADER: header, PAYLOAD: payloads[index]})
+            following = number - first_trip + 1
+            upcoming = (
+                [sendable[position] for position in windows[following]] if following < len(windows) else []
+            )
             try:
-                replies: list[Any] | Exception = self._execute(pipe, per_key=True)
+                replies: list[Any] | Exception = self._send_records(keys, payloads, headers, batch, upcoming)
             except (RedisError, RedisClusterException) as exc:
                 replies = exc
             dropped = _dropped_indices(batch, replies) if may_reread else []
@@ -1039,6 +1045,28 @@ class RedisBackend:
             trip_failure = self._record_stored(keys, list(zip(batch, replies, strict=True)), stored)
             failure = failure or trip_failure
         return failure
+
+    def _send_records(
+        self,
+        keys: Sequence[ObjectKey],
+        payloads: Sequence[memoryview],
+        headers: RecordHeaders,
+        batch: list[int],
+        upcoming: list[int],
+    ) -> list[Any]:
+        """One store trip: HSET of the records ``batch`` indexes, each key's reply (see
+        ``_execute``).  On a standalone store on this thread's own connection, the headers
+        of ``upcoming`` (the next trip) taken while the store reads this one (writes.py);
+        through redis-py's pipeline in a cluster."""
+        if self._direct is None:
+            pipe = self._pipeline()
+            for index in batch:
+                mapping = {HEADER: headers.of(index), PAYLOAD: payloads[index]}
+                pipe.hset(self.name_of(keys[index]), mapping=mapping)
+            return self._execute(pipe, per_key=True)
+        names = {index: self.name_of(keys[index]).encode() for index in batch}
+        trip = RecordTrip(self._direct, names, payloads, headers, batch, upcoming)
+        return self._execute(trip, per_key=True)
 
     def _record_stored(
         self,
@@ -1109,12 +1137,10 @@ class RedisBackend:
         if len(dropped) == 1:
             self._refuse_dropped_alone(keys[dropped[0]], payloads[dropped[0]].nbytes)
             return None
+        headers = RecordHeaders(self.context, keys, payloads)
         for position, index in enumerate(dropped):
-            pipe = self._pipeline()
-            header = self.context.record_header(keys[index], payloads[index])
-            pipe.hset(self.name_of(keys[index]), mapping={HEADER: header, PAYLOAD: payloads[index]})
             try:
-                reply: Any = self._execute(pipe, per_key=True)[0]
+                reply: Any = self._send_records(keys, payloads, headers, [index], [])[0]
             except (RedisError, RedisClusterException) as exc:
                 reply = exc
             if _dropped_connection(reply) and self._store_answers(keys[index]):

@@ -31,8 +31,8 @@ from lmcache_plugin_redis.replies import ReplyReader
 __all__ = ["DirectConnections", "Send", "pack_command"]
 
 T = TypeVar("T")
-#: writes packed commands to a call's connection
-Send = Callable[[bytes], None]
+#: writes packed commands (or a payload, a buffer of its own) to a call's connection
+Send = Callable[[bytes | memoryview], None]
 #: failures after which a call is tried once more on a new connection
 _RETRIED = (RedisConnectionError, RedisTimeoutError)
 
@@ -101,7 +101,7 @@ class DirectConnections:
         a connection error or timeout; any failure drops the connection."""
         lane = self._lane()
 
-        def send(packed: bytes) -> None:
+        def send(packed: bytes | memoryview) -> None:
             sock = lane.socket()
             try:
                 sock.sendall(packed)
