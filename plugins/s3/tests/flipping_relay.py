@@ -1,6 +1,7 @@
 """A TCP relay on loopback in front of the test S3 server that can flip one byte of what
-the server sends: damage on the way, as a faulty link or middlebox makes it, to an object
-that is intact in the store."""
+the server sends -- damage on the way, as a faulty link or middlebox makes it, to an object
+that is intact in the store -- or of what the client sends: an upload damaged on its way
+to the store."""
 
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ class FlippingRelay:
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
-        #: bytes from the server still to pass untouched before the one flipped; None: off
+        #: bytes still to pass untouched before the one flipped; None: off
         self._flip_after: int | None = None
-        #: what the server must send first, the bytes above counted from its start
+        #: what must be sent first, the bytes above counted from its start
         self._marker: bytes | None = None
+        #: whose bytes are flipped: the server's (a read) or the client's (an upload)
+        self._from_server = True
         #: bytes flipped so far (a test checks it did its part)
         self.flipped = 0
         threading.Thread(target=self._accept, name="flipping-relay", daemon=True).start()
@@ -34,12 +37,14 @@ class FlippingRelay:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def flip_once(self, after: int, marker: bytes | None = None) -> None:
+    def flip_once(self, after: int, marker: bytes | None = None, *, upload: bool = False) -> None:
         """Flip the byte the server sends ``after`` bytes from now -- or from the start of
-        the first ``marker`` it sends -- on any connection."""
+        the first ``marker`` it sends -- on any connection; with ``upload``, the byte the
+        client sends instead."""
         with self._lock:
             self._flip_after = after
             self._marker = marker
+            self._from_server = not upload
 
     def close(self) -> None:
         self._listener.close()
@@ -76,17 +81,17 @@ class FlippingRelay:
     def _pump(self, source: socket.socket, sink: socket.socket, from_server: bool) -> None:
         try:
             while chunk := source.recv(_CHUNK):
-                sink.sendall(self._passed(chunk) if from_server else chunk)
+                sink.sendall(self._passed(chunk, from_server))
         except OSError:
             pass
         finally:  # either side gone: the connection is over both ways
             _end(source)
             _end(sink)
 
-    def _passed(self, chunk: bytes) -> bytes:
+    def _passed(self, chunk: bytes, from_server: bool) -> bytes:
         with self._lock:
             after = self._flip_after
-            if after is None:
+            if after is None or from_server != self._from_server:
                 return chunk
             if self._marker is not None:
                 found = chunk.find(self._marker)

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, Literal, TypeVar
 
 from lmcache_plugin_s3.client import (
+    DAMAGED_UPLOAD,
     S3Client,
     S3RequestError,
     check_bucket,
@@ -36,6 +37,7 @@ from lmcache_plugin_s3.records import (
     MAX_PUT_BYTES,
     ObjectNames,
     ShortBody,
+    crc32_checksum,
     header_from_metadata,
     header_metadata,
     read_exactly,
@@ -362,13 +364,29 @@ class S3Backend:
 
         async def put() -> None:
             # Joined inside the request slot, so at most max_inflight bodies exist at once.
+            body = b"".join((header, payload))
             copy = header_metadata(header)
-            await self.client.request(
-                "put_object",
-                Key=name,
-                Body=b"".join((header, payload)),
+            arguments = {
+                "Key": name,
+                "Body": body,
+                "ChecksumCRC32": crc32_checksum(body),
                 **({"Metadata": copy} if copy else {}),
-            )
+            }
+            try:
+                await self.client.request("put_object", **arguments)
+            except Exception as exc:
+                if error_code(exc) not in DAMAGED_UPLOAD:
+                    raise
+                # Refused by the store: nothing was stored.  Damage on the way is rarely
+                # repeated, so the body is sent once more; a second refusal fails the key.
+                self.context.count("store_damaged_in_transit")
+                self.context.warn(
+                    "damaged_in_transit",
+                    "the store refused %s: it arrived damaged (%s); sent once more",
+                    name,
+                    describe(exc),
+                )
+                await self.client.request("put_object", **arguments)
 
         await self.client.bounded(put)
         return True

@@ -10,8 +10,10 @@
   ``AWS_DEFAULT_REGION`` sets -- rather than as ``region_name`` in the client arguments:
   s3fs reads the latter as a bucket location constraint too, which ``us-east-1`` refuses.
   Setting it on this adapter's session leaves the process environment alone.
-* Our records carry their own checksum, so botocore's optional CRC checksums of request
-  and response bodies are computed only where the S3 API requires them.
+* botocore computes its optional CRC checksums of request and response bodies only where
+  the S3 API requires them: a record carries its own checksum, verified on every read, and
+  a store sends the CRC32 of its body itself (:func:`records.crc32_checksum`), as a plain
+  header -- botocore's own would go as an aws-chunked trailer over HTTPS.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ from lmcache_tiers.plugin import ConfigError
 
 log = logging.getLogger("lmcache_plugin_s3")
 T = TypeVar("T")
+
+
+#: what a store answers an upload whose body does not match its checksum: damaged on the way
+DAMAGED_UPLOAD = frozenset({"BadDigest", "XAmzContentSHA256Mismatch"})
 
 
 class S3RequestError(Exception):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+import zlib
 from typing import Any
 
 from lmcache_tiers.plugin import (
@@ -47,6 +48,14 @@ HEADER_METADATA = "lmcache-tiers-header"
 #: S3's limit on an object's user metadata: names and values, in bytes
 _METADATA_LIMIT = 2048
 _CONTENT_RANGE = re.compile(r"^bytes \d+-\d+/(\d+)$")
+
+
+def crc32_checksum(body: bytes) -> str:
+    """The ``x-amz-checksum-crc32`` of an upload: the store checks the body it received
+    against it and refuses one damaged on the way (``BadDigest``) instead of storing it.
+    CRC32 (zlib's, ~10x faster than MD5 here) rather than Content-MD5; the value is sent
+    as a header, never as an aws-chunked trailer, which some S3-compatible services lack."""
+    return base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode("ascii")
 
 
 class ShortBody(Exception):
