@@ -29,6 +29,8 @@ from lmcache_plugin_s3.client import (
     check_bucket,
     describe,
     error_code,
+    is_bare_not_found,
+    is_missing_bucket,
     is_missing_object,
 )
 from lmcache_plugin_s3.config import S3Config
@@ -151,6 +153,9 @@ class S3Backend:
         self._deletes = KeptByDelete(context)
         self.client = S3Client(config, context.name)
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: the one check in flight of whether the bucket exists, shared by the lookups
+        #: whose HEAD answered a bare 404 meanwhile
+        self._bucket_check: asyncio.Future[None] | None = None
         self._answered_at_start = check_bucket(config, context.name)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -176,19 +181,15 @@ class S3Backend:
         service back, or the circuit would never close again.  Any other refusal --
         rejected credentials, a clock the service finds skewed (``RequestTimeTooSkewed``)
         -- is refused to every real request too: it fails the probe, counted
-        (``probe_refusals``) and logged with its code.  So do a missing bucket, a 5xx
-        and no answer.
+        (``probe_refusals``) and logged with its code.  So do a missing bucket (counted
+        ``bucket_missing``), a 5xx and no answer.
         """
         try:
-            answer = await self.client.call(
-                "get_object", Key=self.names.folder + _PROBE_NAME, Range="bytes=0-0"
-            )
+            await self._ask_for_probe_name()
         except Exception as exc:
-            code = error_code(exc)
-            empty = code == "InvalidRange"  # something stored an empty object there
-            if is_missing_object(exc) or code == _NO_LIST_PERMISSION or empty:
-                return
-            if isinstance(exc, PermissionError):
+            if is_missing_bucket(exc):
+                self._bucket_missing(1)
+            elif isinstance(exc, PermissionError):
                 self.context.count("probe_refusals")
                 self.context.warn(
                     "probe_refused",
@@ -197,7 +198,45 @@ class S3Backend:
                     describe(exc),
                 )
             raise
+
+    async def _ask_for_probe_name(self) -> None:
+        """Ask the bucket for a name under the prefix that is never stored; return when it
+        answered (see :meth:`ping`), raise otherwise."""
+        try:
+            answer = await self.client.call(
+                "get_object", Key=self.names.folder + _PROBE_NAME, Range="bytes=0-0"
+            )
+        except Exception as exc:
+            code = error_code(exc)
+            empty = code == "InvalidRange"  # something stored an empty object there
+            if is_missing_object(exc) or code == _NO_LIST_PERMISSION or empty:
+                self.client.bucket_answered()
+                return
+            raise
         answer["Body"].close()
+
+    async def _bucket_exists(self) -> None:
+        """Rule out a missing bucket behind a lookup's bare 404 -- a HEAD's answer has no
+        body to name "no such key" or "no such bucket" in -- by an answer of the last few
+        seconds that proved the bucket exists, else by asking for the probe's name (one
+        request shared by the lookups waiting on it); raises when the bucket is missing,
+        so the lookup fails (counted ``bucket_missing``) rather than reading as absent."""
+        if self.client.bucket_vouched():
+            return
+        if self._bucket_check is None or self._bucket_check.done():
+            self._bucket_check = asyncio.ensure_future(self._ask_for_probe_name())
+        await asyncio.shield(self._bucket_check)
+
+    def _bucket_missing(self, requests: int) -> None:
+        self.context.count("bucket_missing", requests)
+        self.context.warn(
+            "bucket_missing",
+            "bucket %r does not exist at %s (%d requests failed for it): every request fails, "
+            "and the circuit opens, until it is created",
+            self.config.bucket,
+            self.client.endpoint,
+            requests,
+        )
 
     def capacity(self) -> int | None:
         return int(self.config.max_capacity_gb * (1 << 30)) or None
@@ -397,6 +436,8 @@ class S3Backend:
             answer = await self.client.call("head_object", Key=name)
         except Exception as exc:
             if is_missing_object(exc):
+                if is_bare_not_found(exc):
+                    await self._bucket_exists()
                 return None
             raise
         try:
@@ -837,6 +878,9 @@ class S3Backend:
         for outcome in failures:
             if not isinstance(outcome, Exception):
                 raise outcome
+        missing_bucket = sum(1 for outcome in failures if is_missing_bucket(outcome))
+        if missing_bucket:
+            self._bucket_missing(missing_bucket)
         if failures and len(failures) == len(outcomes):
             raise S3RequestError(f"{op}: all {len(outcomes)} requests failed: {describe(failures[0])}")
         if failures:

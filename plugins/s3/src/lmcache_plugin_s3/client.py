@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -44,6 +45,15 @@ class S3RequestError(Exception):
     """A request failed or ran out of time; the key it was for is a failure, not a miss."""
 
 
+def is_missing_bucket(exc: BaseException) -> bool:
+    """The bucket does not exist: every request on it fails until it is created."""
+    return error_code(exc) == "NoSuchBucket"
+
+
+#: how long an answer that proved the bucket exists vouches for a lookup's bare 404
+BUCKET_TRUSTED_S = 5.0
+
+
 def error_code(exc: BaseException) -> str | None:
     """The S3 error code behind an s3fs exception (s3fs keeps botocore's as the cause)."""
     for candidate in (exc, exc.__cause__):
@@ -55,8 +65,15 @@ def error_code(exc: BaseException) -> str | None:
 
 
 def is_missing_object(exc: BaseException) -> bool:
-    """True for "no such key" (a miss); a missing bucket is a failure, never a miss."""
+    """True for "no such key" (a miss), and for the bare 404 of a HEAD, which says the
+    same of a missing bucket (a HEAD answer has no body to name either): a lookup rules
+    that out (:meth:`S3Client.bucket_vouched`); a missing bucket is a failure, never a miss."""
     return isinstance(exc, FileNotFoundError) and error_code(exc) in (None, "NoSuchKey", "404")
+
+
+def is_bare_not_found(exc: BaseException) -> bool:
+    """A 404 that names no error code: a missing object or a missing bucket."""
+    return isinstance(exc, FileNotFoundError) and error_code(exc) in (None, "404")
 
 
 def describe(exc: BaseException) -> str:
@@ -110,6 +127,9 @@ class S3Client:
         self._tasks: set[asyncio.Future[Any]] = set()
         self._closing = False
         self.inflight = 0
+        #: when an answer last proved the bucket exists (monotonic); None: not since the
+        #: last "no such bucket"
+        self._bucket_seen_at: float | None = None
 
     @property
     def closing(self) -> bool:
@@ -157,7 +177,27 @@ class S3Client:
         fs = self.fs
         if fs is None:
             raise S3RequestError("the S3 client is not open")
-        return await fs._call_s3(method, Bucket=self.bucket, **kwargs)
+        try:
+            answer = await fs._call_s3(method, Bucket=self.bucket, **kwargs)
+        except Exception as exc:
+            code = error_code(exc)
+            if code == "NoSuchBucket":
+                self._bucket_seen_at = None
+            elif code == "NoSuchKey":  # named in a body: the bucket answered
+                self.bucket_answered()
+            raise
+        self.bucket_answered()
+        return answer
+
+    def bucket_answered(self) -> None:
+        """An answer proved the bucket exists."""
+        self._bucket_seen_at = time.monotonic()
+
+    def bucket_vouched(self) -> bool:
+        """True while an answer of the last :data:`BUCKET_TRUSTED_S` proved the bucket
+        exists: a HEAD's bare 404 is then a missing object."""
+        seen = self._bucket_seen_at
+        return seen is not None and time.monotonic() - seen < BUCKET_TRUSTED_S
 
     async def bounded(self, make: Callable[[], Awaitable[T]]) -> T:
         """Run one request (``make()`` and whatever it reads) within ``request_timeout_s``,

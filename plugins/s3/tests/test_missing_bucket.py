@@ -1,0 +1,77 @@
+"""A bucket removed while the adapter runs.  A lookup's HEAD answers a missing bucket with
+the same bare 404 as a missing object (its answer has no body to name either): the lookup
+must fail, counted ``bucket_missing``, not read as a miss -- which core takes for objects
+removed behind its back -- and the circuit opens as it does for a store that fails."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import lmcache_plugin_s3.client
+import pytest
+import s3fs
+from s3_helpers import blocking, open_adapter, s3_config
+
+from lmcache_tiers.plugin import CircuitConfig
+from lmcache_tiers.testing.l2 import make_keys
+from lmcache_tiers.testing.seaweedfs import SeaweedS3
+
+
+@pytest.fixture
+def bucket(seaweed: SeaweedS3) -> Iterator[tuple[str, s3fs.S3FileSystem]]:
+    """A bucket of the test's own, which the test removes."""
+    fs = s3fs.S3FileSystem(
+        key=seaweed.access_key,
+        secret=seaweed.secret_key,
+        endpoint_url=seaweed.endpoint,
+        skip_instance_cache=True,
+    )
+    name = f"tiers-gone-{uuid.uuid4().hex[:12]}"
+    fs.mkdir(name)
+    yield name, fs
+    fs.invalidate_cache()
+    if fs.exists(name):
+        fs.rm(name, recursive=True)
+
+
+def remove_bucket(fs: s3fs.S3FileSystem, name: str) -> None:
+    fs.rm(name, recursive=True)
+    fs.invalidate_cache()
+    deadline = time.monotonic() + 30
+    while fs.exists(name):  # the gateway forgets a bucket shortly after its removal
+        assert time.monotonic() < deadline, "the bucket was never removed"
+        time.sleep(0.1)
+        fs.invalidate_cache()
+
+
+def test_a_lookup_in_a_bucket_removed_mid_run_fails_counted_and_opens_the_circuit(
+    seaweed: SeaweedS3,
+    bucket: tuple[str, s3fs.S3FileSystem],
+    l1: memoryview,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No answer vouches for the bucket past the moment it came: the removal is seen at once.
+    monkeypatch.setattr(lmcache_plugin_s3.client, "BUCKET_TRUSTED_S", 0.0)
+    name, fs = bucket
+    config = s3_config(
+        seaweed,
+        "gone",
+        bucket=name,
+        circuit=CircuitConfig(failure_threshold=2, probe_interval_s=60.0),
+    )
+    adapter = open_adapter(config, l1)
+    try:
+        client = blocking(adapter)
+        keys = make_keys(3)
+        assert client.lookup_and_lock(keys).found == [False] * 3  # a plain miss: it exists
+        assert "bucket_missing" not in adapter.stats()
+        remove_bucket(fs, name)
+        for _ in range(2):
+            assert client.lookup_and_lock(keys).found == [False] * 3
+        stats = adapter.stats()
+        assert stats.get("bucket_missing", 0) == 6, "the lookups read a missing bucket as absent keys"
+        assert stats["backend_errors"] == 2 and stats["circuit_open"] == 1
+    finally:
+        adapter.close()
