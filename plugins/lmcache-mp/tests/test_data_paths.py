@@ -18,6 +18,21 @@ from lmcache_tiers.plugin import kv_rank_of
 REG = Registration()
 CHUNK = REG.object_bytes
 MOCK_L2 = [json.dumps({"type": "mock", "max_size_gb": 0.1})]
+#: an L2 whose lookups and loads take a second: a lookup's prefetch is still running
+#: while the test's next request arrives
+SLOW_L2 = [json.dumps({"type": "mock", "max_size_gb": 0.1, "latency_s": 1.0})]
+
+
+def in_l2_alone(server: Any, client: MPClient, sequence: int) -> tuple[str, list[bytes]]:
+    """Register, then store request ``sequence``'s four chunks, flush them to L2 and clear
+    L1: they are found in L2 alone.  The segment's name, and the payloads."""
+    shm: str = client.register(REG)["shm_name"]
+    payloads = chunk_payloads(sequence, 4, CHUNK)
+    assert client.store(Key(tokens_of(sequence), "s", worker_id=0), REG.instance_id, payloads, shm)
+    assert server.storage.flush(timeout=60)
+    assert client.call("clear", True) is None
+    assert server.storage.status()["l1"]["objects"] == 0
+    return shm, payloads
 
 
 def test_warm_lookup_from_l2_answers_on_the_first_query(make_mp_server: Any) -> None:
@@ -25,12 +40,7 @@ def test_warm_lookup_from_l2_answers_on_the_first_query(make_mp_server: Any) -> 
     # busy the machine (the default 20 ms is shorter than a load may take there).
     server = make_mp_server(adapters=MOCK_L2, lookup_wait_ms=10_000)
     with MPClient(mp_address(server)) as client:
-        shm = client.register(REG)["shm_name"]
-        payloads = chunk_payloads(1, 4, CHUNK)
-        assert client.store(Key(tokens_of(1), "s", worker_id=0), REG.instance_id, payloads, shm)
-        assert server.storage.flush(timeout=30)
-        assert client.call("clear", True) is None
-        assert server.storage.status()["l1"]["objects"] == 0
+        shm, payloads = in_l2_alone(server, client, 1)
         # lookup waits (lookup_wait_ms) for the prefetch, so one query has the hits
         assert client.call("lookup", Key(tokens_of(1), "w").encode(), 1) is None
         assert client.call("query_prefetch_status", "w") == 4
@@ -57,10 +67,7 @@ def test_without_the_lookup_wait_clients_poll(make_mp_server: Any) -> None:
 def test_wait_prefetch_status_waits_for_l2(make_mp_server: Any) -> None:
     server = make_mp_server(adapters=MOCK_L2, lookup_wait_ms=0)
     with MPClient(mp_address(server)) as client:
-        shm = client.register(REG)["shm_name"]
-        client.store(Key(tokens_of(3), "s", worker_id=0), REG.instance_id, chunk_payloads(3, 4, CHUNK), shm)
-        assert server.storage.flush(timeout=30)
-        client.call("clear", True)
+        in_l2_alone(server, client, 3)
         client.call("lookup", Key(tokens_of(3), "w").encode(), 1)
         assert client.call("wait_prefetch_status", "w", 10.0) == 4
         client.call("end_session", "w")
@@ -216,13 +223,9 @@ def test_pickled_chunks_are_refused_unless_allowed_and_never_run_code(make_mp_se
 
 
 def test_a_wait_that_began_during_the_lookups_wait_gets_the_hits_when_they_come(make_mp_server: Any) -> None:
-    slow_l2 = [json.dumps({"type": "mock", "max_size_gb": 0.1, "latency_s": 1.0})]
-    server = make_mp_server(adapters=slow_l2, lookup_wait_ms=200)
+    server = make_mp_server(adapters=SLOW_L2, lookup_wait_ms=200)
     with MPClient(mp_address(server)) as client:
-        shm = client.register(REG)["shm_name"]
-        client.store(Key(tokens_of(5), "s", worker_id=0), REG.instance_id, chunk_payloads(5, 4, CHUNK), shm)
-        assert server.storage.flush(timeout=30)
-        client.call("clear", True)
+        in_l2_alone(server, client, 5)
         # A client that does not wait for the lookup's void reply: its wait arrives while
         # the lookup still waits for the prefetch, and outlasts that wait.
         lookup = client.send("lookup", Key(tokens_of(5), "w").encode(), 1)
@@ -234,13 +237,9 @@ def test_a_wait_that_began_during_the_lookups_wait_gets_the_hits_when_they_come(
 
 
 def test_a_wait_on_a_lookup_its_request_ended_answers_at_once(make_mp_server: Any) -> None:
-    slow_l2 = [json.dumps({"type": "mock", "max_size_gb": 0.1, "latency_s": 1.0})]
-    server = make_mp_server(adapters=slow_l2, lookup_wait_ms=100)
+    server = make_mp_server(adapters=SLOW_L2, lookup_wait_ms=100)
     with MPClient(mp_address(server)) as client:
-        shm = client.register(REG)["shm_name"]
-        client.store(Key(tokens_of(6), "s", worker_id=0), REG.instance_id, chunk_payloads(6, 4, CHUNK), shm)
-        assert server.storage.flush(timeout=30)
-        client.call("clear", True)
+        in_l2_alone(server, client, 6)
         # The wait arrives while the lookup still waits for the prefetch, then the request
         # ends before the prefetch does: nothing will ever settle that lookup's job, so
         # the wait must not sit out its whole timeout (a pool thread, for up to forever).
@@ -319,10 +318,7 @@ def test_a_lookup_whose_prefetch_outlives_half_the_lock_ttl_is_given_up_and_coun
     slow_l2 = [json.dumps({"type": "fault_inject", "inner": inner, "delay_s": 600.0, "delay_ops": ["load"]})]
     server = make_mp_server(adapters=slow_l2, lookup_wait_ms=0, l1_lock_ttl_s=1.0)
     with MPClient(mp_address(server)) as client:
-        shm = client.register(REG)["shm_name"]
-        client.store(Key(tokens_of(11), "s", worker_id=0), REG.instance_id, chunk_payloads(11, 4, CHUNK), shm)
-        assert server.storage.flush(timeout=60)
-        client.call("clear", True)
+        in_l2_alone(server, client, 11)
         assert client.call("lookup", Key(tokens_of(11), "slow").encode(), 1) is None
         stats = server.frontends[0].stats()
         deadline = time.monotonic() + 120.0

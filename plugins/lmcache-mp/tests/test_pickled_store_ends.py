@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 import pytest
+from mp_counts import keys_accounted
 from mpclient import (
     STALL_LIMIT_S,
     Key,
@@ -22,18 +23,9 @@ from mpclient import (
 )
 
 from lmcache_tiers.router import ABANDONED_REASON
-from lmcache_tiers.server.app import TiersServer
 
 REG = Registration()
 CHUNK = REG.object_bytes
-
-
-def _accounted(server: TiersServer) -> int:
-    """The keys the front end accounts for: stored, skipped and refused."""
-    stats = server.frontends[0].stats()
-    return (
-        stats.store_chunks + sum(stats.store_keys_skipped.values()) + sum(stats.store_keys_refused.values())
-    )
 
 
 def _send_pickled_store(client: MPClient, request: int) -> None:
@@ -62,7 +54,7 @@ def test_pickled_stores_the_drain_gives_up_on_count_their_keys_once(
         assert frontend.join(30)
         stats = frontend.stats()
         assert stats.store_keys_refused["shutting_down"] == 8
-        assert _accounted(server) == 8
+        assert keys_accounted(server) == 8
         # The copy the drain gave up on finishes now: its reservations are given back, not
         # made visible (its keys were counted as refused), and nothing is counted again.
         go_on.set()
@@ -71,7 +63,7 @@ def test_pickled_stores_the_drain_gives_up_on_count_their_keys_once(
     )
     assert storage.status()["l1"]["objects"] == 0
     assert stats.store_chunks == 0
-    assert _accounted(server) == 8
+    assert keys_accounted(server) == 8
 
 
 def test_a_pickled_store_whose_handler_raises_counts_its_keys(
@@ -93,7 +85,7 @@ def test_a_pickled_store_whose_handler_raises_counts_its_keys(
         stats = server.frontends[0].stats()
         wait_for(lambda: stats.failures["mp_handler_error"] == 1, "the failed store was not counted")
         assert stats.store_keys_refused["mp_handler_error"] == 4
-        assert _accounted(server) == 4
+        assert keys_accounted(server) == 4
         assert storage.status()["l1"]["write_locked"] == 0
 
 
@@ -132,7 +124,7 @@ def test_a_copy_raising_after_the_stop_gave_up_on_it_is_counted_once(
     assert stats.failures["mp_shutting_down"] == 1
     assert stats.failures["mp_handler_error"] == 0
     assert stats.store_keys_refused["shutting_down"] == 4
-    assert _accounted(server) == 4
+    assert keys_accounted(server) == 4
     assert storage.status()["l1"]["write_locked"] == 0
 
 
@@ -167,4 +159,4 @@ def test_a_pickled_store_that_ended_unanswered_at_a_forced_stop_is_counted_once(
     assert stats.store_chunks == 4
     assert stats.failures["mp_shutting_down"] == 0
     assert stats.failures[ABANDONED_REASON] == 1
-    assert _accounted(server) == 4
+    assert keys_accounted(server) == 4

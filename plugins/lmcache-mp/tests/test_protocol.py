@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 from lmcache_plugin_lmcache_mp.state import MAX_MAPPING_CONNECTIONS
+from mp_counts import mp_stats
 from mpclient import Key, MPClient, Registration, chunk_payloads, mp_address, tokens_of
 
 from lmcache_tiers.server.app import TiersServer
@@ -20,10 +21,6 @@ CHUNK = REG.object_bytes
 def l1(server: TiersServer) -> dict[str, Any]:
     status: dict[str, Any] = server.storage.status()["l1"]
     return status
-
-
-def mp_stats(server: TiersServer) -> Any:
-    return server.frontends[0].stats()
 
 
 def stored(client: MPClient, sequence: int, shm: str, chunks: int = 4) -> list[bytes]:

@@ -15,6 +15,7 @@ from lmcache_plugin_lmcache_mp.chunks import HASH_BYTES, LOOKUP_KEY_BYTES, Chunk
 from lmcache_plugin_lmcache_mp.lookups import MAX_KV_READERS
 from lmcache_plugin_lmcache_mp.state import LookupJob
 from lmcache_plugin_lmcache_mp.wire import CacheKey
+from mp_counts import mp_stats
 from mpclient import (
     Key,
     MPClient,
@@ -31,10 +32,6 @@ from lmcache_tiers.server.app import TiersServer
 REG = Registration()
 CHUNK = REG.object_bytes
 MODEL_NAME = REG.model_name
-
-
-def mp_stats(server: TiersServer) -> Any:
-    return server.frontends[0].stats()
 
 
 def l1_read_locks(server: TiersServer) -> int:

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import pytest
+from mp_counts import keys_accounted, mp_stats
 from mpclient import (
     Key,
     MPClient,
@@ -28,18 +29,6 @@ from lmcache_tiers.server.app import TiersServer
 
 REG = Registration()
 CHUNK = REG.object_bytes
-
-
-def mp_stats(server: TiersServer) -> Any:
-    return server.frontends[0].stats()
-
-
-def balance(server: TiersServer) -> int:
-    """The keys the front end accounts for: stored, skipped and refused."""
-    stats = mp_stats(server)
-    return (
-        stats.store_chunks + sum(stats.store_keys_skipped.values()) + sum(stats.store_keys_refused.values())
-    )
 
 
 def test_keys_l1_had_or_another_writer_holds_are_skipped_per_key(
@@ -62,7 +51,7 @@ def test_keys_l1_had_or_another_writer_holds_are_skipped_per_key(
     stats = mp_stats(mp_server)
     assert stats.store_chunks == 4
     assert dict(stats.store_keys_skipped) == {"present": 4, "being_written": 2}
-    assert balance(mp_server) == 2 + 4 + 4
+    assert keys_accounted(mp_server) == 2 + 4 + 4
 
 
 def test_a_refused_store_counts_each_of_its_keys(make_mp_server: Any) -> None:
@@ -78,7 +67,7 @@ def test_a_refused_store_counts_each_of_its_keys(make_mp_server: Any) -> None:
         stats = mp_stats(server)
         assert stats.failures["mp_store_refused_l1_full"] == 1  # the request
         assert stats.store_keys_refused["mp_store_refused_l1_full"] == 4  # its keys
-        assert balance(server) == 4 + 4
+        assert keys_accounted(server) == 4 + 4
 
 
 def test_a_connection_that_did_not_register_has_its_keys_refused(
@@ -100,7 +89,7 @@ def test_a_repeated_prepare_counts_the_reservation_it_replaces(
     assert client.store(key, REG.instance_id, chunk_payloads(30, 4, CHUNK), shm) is True  # prepares again
     stats = mp_stats(mp_server)
     assert (stats.store_chunks, dict(stats.store_keys_skipped)) == (4, {"repeated": 4})
-    assert balance(mp_server) == 8
+    assert keys_accounted(mp_server) == 8
 
 
 def test_a_reservation_never_committed_counts_its_keys(make_mp_server: Any) -> None:
@@ -111,7 +100,7 @@ def test_a_reservation_never_committed_counts_its_keys(make_mp_server: Any) -> N
         stats = mp_stats(server)
         wait_for(lambda: stats.failures["mp_transfer_expired"] == 1, "the reservation never expired")
         assert stats.store_keys_refused["reservation_expired"] == 4
-        assert balance(server) == 4
+        assert keys_accounted(server) == 4
 
 
 def test_a_commit_after_the_write_ttl_counts_the_keys_once(make_mp_server: Any) -> None:
@@ -127,7 +116,7 @@ def test_a_commit_after_the_write_ttl_counts_the_keys_once(make_mp_server: Any) 
         assert client.call("commit_store", key.encode(), REG.instance_id, b"") is False
         wait_for(lambda: stats.failures["mp_transfer_expired"] == 1, "the expiry was never counted")
         assert stats.store_keys_refused["reservation_expired"] == 4
-        assert balance(server) == 4
+        assert keys_accounted(server) == 4
 
 
 def test_unregistering_with_a_reservation_counts_its_keys(client: MPClient, mp_server: TiersServer) -> None:
@@ -135,7 +124,7 @@ def test_unregistering_with_a_reservation_counts_its_keys(client: MPClient, mp_s
     client.call("prepare_store", Key(tokens_of(10), "r", worker_id=0).encode(), REG.instance_id)
     client.call("unregister_kv_cache_engine_driven_context", REG.instance_id)
     assert mp_stats(mp_server).store_keys_refused["unregistered"] == 4
-    assert balance(mp_server) == 4
+    assert keys_accounted(mp_server) == 4
 
 
 def test_a_reservation_held_at_shutdown_counts_its_keys(make_mp_server: Any) -> None:
@@ -147,7 +136,7 @@ def test_a_reservation_held_at_shutdown_counts_its_keys(make_mp_server: Any) -> 
         frontend = server.frontends[0]
         assert frontend.join(30)
         assert frontend.stats().store_keys_refused["shutting_down"] == 4
-        assert balance(server) == 4
+        assert keys_accounted(server) == 4
 
 
 def test_refused_pickled_chunks_count_each_key(client: MPClient, mp_server: TiersServer) -> None:
@@ -184,7 +173,7 @@ def test_pickled_stores_count_each_key(make_mp_server: Any) -> None:
         assert dict(stats.store_keys_skipped) == {"present": 4}
         assert stats.store_keys_refused["mp_store_refused_l1_full"] == 4
         assert stats.store_keys_refused["mp_pickle_rejected"] == 4
-        assert balance(server) == 16
+        assert keys_accounted(server) == 16
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -221,7 +210,7 @@ def test_the_keys_of_random_stores_balance(make_mp_server: Any, seed: int) -> No
         frontend = server.frontends[0]
         assert frontend.join(30)
     stats = frontend.stats()
-    assert named == balance(server), (
+    assert named == keys_accounted(server), (
         named,
         stats.store_chunks,
         stats.store_keys_skipped,
