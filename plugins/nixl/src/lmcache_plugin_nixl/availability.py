@@ -14,7 +14,10 @@ import ctypes.util
 import glob
 import os
 import socket
+import threading
+import time
 from collections.abc import Callable, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 from lmcache_tiers.plugin import BackendUnavailableError, ConfigError, direct_io_refusal
@@ -99,18 +102,89 @@ def obj_endpoint(params: dict[str, str], environ: Mapping[str, str] = os.environ
     return url, "endpoint_override"
 
 
+#: resolves a host and port the way ``socket.getaddrinfo`` does (a test injects one that hangs)
+Resolver = Callable[[str, int], list[tuple[Any, ...]]]
+
+
+def _getaddrinfo(host: str, port: int) -> list[tuple[Any, ...]]:
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+
+
+def connect_within(host: str, port: int, timeout: float, resolve: Resolver = _getaddrinfo) -> None:
+    """Open (and close) a TCP connection to ``host:port`` within ``timeout`` seconds, the
+    name lookup included: ``socket.create_connection``'s timeout does not cover
+    ``getaddrinfo``, which blocks as long as the resolver does (a DNS server that does not
+    answer: tens of seconds of retries).  The lookup runs on a daemon thread given up on at
+    the deadline; it ends on its own when the resolver does."""
+    deadline = time.monotonic() + timeout
+    outcome: list[list[tuple[Any, ...]] | OSError] = []
+    resolved = threading.Event()
+
+    def lookup() -> None:
+        try:
+            outcome.append(resolve(host, port))
+        except OSError as exc:
+            outcome.append(exc)
+        finally:
+            resolved.set()
+
+    threading.Thread(target=lookup, name="nixl-endpoint-lookup", daemon=True).start()
+    if not resolved.wait(timeout) or not outcome:
+        raise TimeoutError(f"the name {host} did not resolve within {timeout:g} s")
+    answer = outcome[0]
+    if isinstance(answer, OSError):
+        raise answer
+    error: OSError = OSError(f"the name {host} resolved to no address")
+    for family, kind, proto, _name, address in answer:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"no connection to {host}:{port} within {timeout:g} s")
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(remaining)
+            sock.connect(address)
+            return
+        except OSError as exc:
+            error = exc
+        finally:
+            sock.close()
+    raise error
+
+
+def proxy_variable(scheme: str, host: str, environ: Mapping[str, str]) -> str | None:
+    """The proxy variable (``HTTPS_PROXY``, ``ALL_PROXY``, either case) that botocore and
+    curl would send a request to ``scheme://host`` through, None when there is none or
+    ``NO_PROXY`` exempts the host.  NIXL's OBJ backend uses none of them, so the start-up
+    probe does not either (it connects as the backend will); this only names one in the
+    refusal, for whoever expected it to apply."""
+    no_proxy = environ.get("no_proxy") or environ.get("NO_PROXY") or ""
+    for entry in (part.strip().lower() for part in no_proxy.split(",")):
+        entry = entry.lstrip(".")
+        if entry == "*" or (entry and (host.lower() == entry or host.lower().endswith("." + entry))):
+            return None
+    for name in (f"{scheme}_proxy", "all_proxy"):
+        for variant in (name, name.upper()):
+            if environ.get(variant, "").strip():
+                return variant
+    return None
+
+
 def check_remote_endpoint(
     backend: str,
     params: dict[str, str],
     timeout: float = ENDPOINT_PROBE_TIMEOUT_S,
     environ: Mapping[str, str] = os.environ,
+    resolve: Resolver = _getaddrinfo,
 ) -> None:
     """Refuse to start an AZURE_BLOB or OBJ adapter whose service cannot be reached.
 
     NIXL creates the backend and registers objects without contacting the service, so an
     unreachable endpoint would otherwise show up only as failed stores and misses (for
     OBJ, each after the SDK's retries, tens of seconds).  A TCP connection to the
-    endpoint's host and port is the probe (no request is sent); OBJ without an
+    endpoint's host and port is the probe (no request is sent), the name lookup included
+    in ``timeout``; it goes to the endpoint directly, never through a proxy, because the
+    NIXL OBJ backend does: the AWS SDK for C++ ignores ``HTTPS_PROXY`` and the like unless
+    ``allowSystemProxy`` is set, and NIXL sets neither it nor a proxy.  OBJ without an
     ``endpoint_override`` probes AWS's own endpoint of its region, which a host without a
     route to AWS cannot reach either (each store failed after about 26 s of the SDK's
     retries with a bare NIXL_ERR_BACKEND, while the server ran).  OBJ without a bucket
@@ -137,12 +211,20 @@ def check_remote_endpoint(
     if not host:
         raise ConfigError(f"backend_params.{key}: {url!r} is not a URL with a host name ({backend})")
     try:
-        socket.create_connection((host, port), timeout=timeout).close()
+        connect_within(host, port, timeout, resolve)
     except OSError as exc:
         reason = exc.strerror or str(exc) or type(exc).__name__
+        hint = ""
+        proxy = proxy_variable(parts.scheme or "https", host, environ) if backend == "OBJ" else None
+        if proxy is not None:
+            hint = (
+                f"; {proxy} is set, but NIXL's OBJ backend does not use proxies (the AWS SDK "
+                "for C++ leaves allowSystemProxy off and NIXL sets no proxy): the endpoint "
+                "must be reachable directly"
+            )
         raise ConfigError(
             f"{backend} endpoint {url} ({host}:{port}) cannot be reached: {reason}; check "
-            f"backend_params.{key} and that the service is up"
+            f"backend_params.{key} and that the service is up{hint}"
         ) from None
 
 
