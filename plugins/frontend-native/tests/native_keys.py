@@ -20,3 +20,12 @@ def stats_of(server: TiersServer) -> FrontendStats:
     """The counters of the server's only front end."""
     ((_, stats),) = server.frontend_stats()
     return stats
+
+
+def keys_accounted(server: TiersServer) -> int:
+    """The store keys the native front end accounts for: stored, skipped and refused.
+    Every key a store names is one of these, once, however its request ended."""
+    stats = stats_of(server)
+    return (
+        stats.store_chunks + sum(stats.store_keys_skipped.values()) + sum(stats.store_keys_refused.values())
+    )

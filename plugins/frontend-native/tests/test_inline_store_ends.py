@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import zmq
-from native_keys import keys_of
+from native_keys import keys_accounted, keys_of
 from native_stop import STALL_LIMIT_S, dealer, let_go_after_the_last_turn, replies_to, wait_for
 
 from lmcache_tiers.keys import ObjectKey
@@ -17,14 +17,6 @@ from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.wire import protocol as p
 
 CHUNK = 4096
-
-
-def _accounted(server: TiersServer) -> int:
-    """The keys the front end accounts for: stored, skipped and refused."""
-    stats = server.frontends[0].stats()
-    return (
-        stats.store_chunks + sum(stats.store_keys_skipped.values()) + sum(stats.store_keys_refused.values())
-    )
 
 
 def _send_inline_store(sock: zmq.Socket[bytes], request: int) -> None:
@@ -61,7 +53,7 @@ def test_inline_stores_the_drain_gives_up_on_count_their_keys_once(
     stats = frontend.stats()
     assert stats.store_keys_refused["shutting_down"] == 8
     assert stats.failures["shutting_down"] == 2
-    assert _accounted(server) == 8
+    assert keys_accounted(server) == 8
     # The copy the drain gave up on finishes now: its reservations are given back, not
     # made visible (its keys were counted as refused), and nothing is counted again.
     go_on.set()
@@ -69,7 +61,7 @@ def test_inline_stores_the_drain_gives_up_on_count_their_keys_once(
         lambda: storage.status()["l1"]["write_locked"] == 0, "the late copy never gave its reservations back"
     )
     assert storage.status()["l1"]["objects"] == 0
-    assert _accounted(server) == 8
+    assert keys_accounted(server) == 8
 
 
 def test_an_inline_store_whose_commit_raises_gives_its_reservations_back(
@@ -91,7 +83,7 @@ def test_an_inline_store_whose_commit_raises_gives_its_reservations_back(
     # until the write TTL.
     assert server.frontends[0].stats().store_keys_refused["internal"] == 4
     assert storage.status()["l1"]["write_locked"] == 0
-    assert _accounted(server) == 4
+    assert keys_accounted(server) == 4
 
 
 def _copy_ends_as_the_stop_gives_up(
@@ -132,7 +124,7 @@ def test_an_inline_store_failing_as_the_stop_comes_is_counted_logged_and_answere
         stats = frontend.stats()
         assert stats.failures["internal"] == 1
         assert stats.store_keys_refused["internal"] == 4
-        assert _accounted(server) == 4
+        assert keys_accounted(server) == 4
         assert any("request 40 " in record.getMessage() for record in caplog.records)
         assert [(type(reply), getattr(reply, "code", None)) for reply in sent] == [
             (p.ErrorReply, p.ErrorCode.INTERNAL.value)
@@ -161,5 +153,5 @@ def test_an_inline_store_stored_as_a_forced_stop_comes_is_answered_once(
     assert isinstance(reply, p.StoreReply) and reply.done == [True] * 4
     stats = frontend.stats()
     assert (stats.stores, stats.store_chunks) == (1, 4)
-    assert _accounted(server) == 4
+    assert keys_accounted(server) == 4
     assert storage.status()["l1"]["objects"] == 4

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -678,19 +679,37 @@ def test_tokens_longer_than_the_protocol_carries_are_refused_by_the_client(serve
         Client(server.endpoint, auth_token="t" * (p.MAX_TOKEN_LEN + 1))
 
 
-def test_a_client_follows_a_restarted_server_to_its_new_segment() -> None:
-    """The socket reconnects by itself to a server restarted on the same port; the client
-    must not read or write the new server's offsets in the old server's segment."""
+@contextlib.contextmanager
+def _client_of_a_server_to_restart(
+    keys: list[ObjectKey], data: list[bytes]
+) -> Iterator[tuple[Client, Callable[[], TiersServer]]]:
+    """A client that stored ``data`` under ``keys`` in a server's shared memory, and the
+    restart of that server on its port (the client's socket reconnects by itself: the
+    restart returns the new server once the client reaches it)."""
     port = free_port()
     first, second = ServerHarness(), ServerHarness()
-    try:
-        old = first.make(port=port)
-        keys, data = keys_of(3), [bytes([0x11]) * 5000] * 3
-        client = Client(old.endpoint, timeout=5)
-        assert client.store(keys, data) == 3 and client.uses_shm
+
+    def restart() -> TiersServer:
         first.close()
         new = second.make(port=port)
         until_reachable(client)
+        return new
+
+    try:
+        client = Client(first.make(port=port).endpoint, timeout=5)
+        assert client.store(keys, data) == len(keys) and client.uses_shm
+        yield client, restart
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_client_follows_a_restarted_server_to_its_new_segment() -> None:
+    """The socket reconnects by itself to a server restarted on the same port; the client
+    must not read or write the new server's offsets in the old server's segment."""
+    keys = keys_of(3)
+    with _client_of_a_server_to_restart(keys, [bytes([0x11]) * 5000] * 3) as (client, restart):
+        new = restart()
         with Client(new.endpoint) as other:
             fresh = [bytes([0xAA]) * 5000] * 3
             assert other.store(keys, fresh) == 3
@@ -706,9 +725,6 @@ def test_a_client_follows_a_restarted_server_to_its_new_segment() -> None:
         assert client.uses_shm
         client.close()
         assert (l1(new)["read_locks"], l1(new)["write_locked"]) == (0, 0)
-    finally:
-        first.close()
-        second.close()
 
 
 def test_views_outlive_a_close_of_their_client(server: TiersServer) -> None:
@@ -731,18 +747,11 @@ def test_views_outlive_a_close_of_their_client(server: TiersServer) -> None:
 
 
 def test_views_outlive_following_a_restarted_server() -> None:
-    port = free_port()
-    first, second = ServerHarness(), ServerHarness()
-    try:
-        old = first.make(port=port)
-        keys, data = keys_of(3), [bytes([0x11]) * 5000] * 3
-        client = Client(old.endpoint, timeout=5)
-        assert client.store(keys, data) == 3
+    keys, data = keys_of(3), [bytes([0x11]) * 5000] * 3
+    with _client_of_a_server_to_restart(keys, data) as (client, restart):
         old_segment = client._segment
         with client.retrieve(keys) as views:
-            first.close()
-            second.make(port=port)
-            until_reachable(client)
+            restart()
             more = keys_of(2)
             # follows the server: the old segment is closed while these views read it
             assert client.store(more, [bytes([0x77]) * 5000] * 2) == 2
@@ -751,9 +760,6 @@ def test_views_outlive_following_a_restarted_server() -> None:
         with client.retrieve(more) as views:  # the client goes on, on the new segment
             assert [bytes(view) for view in views] == [bytes([0x77]) * 5000] * 2
         client.close()
-    finally:
-        first.close()
-        second.close()
 
 
 _CLOSED_UNDER_THREADS = """
