@@ -26,6 +26,15 @@ a reader that compares the generation it was given with the table after its copy
 whether the bytes may have changed -- the guarantee that holds even when a lease was
 broken and the quarantine did not outlast the reader.
 
+An expired write reservation of a writer that copies into the shared arena itself (a
+client of the shared-memory data plane: ``L1Manager.fence_writers``) is **fenced**
+instead: its writer may have checked the generation just before stalling and may still
+write into the extent at any moment, and no lease can bound a stalled process.  A fenced
+extent has no lease end: it goes back only when its writer proves it has stopped copying
+(``writers_done``: its commit or abort of the key, which it sends after its copy), so a
+late write lands in bytes no other object owns.  Bounding what a writer that never comes
+back keeps fenced is its front end's job.
+
 Releases arrive by key.  When a key was stored again while its old extent is still
 quarantined, a release of that key is credited to the quarantined extent first: locks on
 the old object were taken before the new object existed, and locks are mostly released
@@ -35,13 +44,14 @@ in the order they were taken.  The L1 manager's lock guards this class.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1.allocator import ExtentAllocator
-from lmcache_tiers.l1.objects import L1Object
+from lmcache_tiers.l1.objects import L1Object, ObjectState
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +72,9 @@ class _Held:
     #: end of the grace period of locks on it that expired earlier: its holders' releases
     #: do not give it back before then, a reaped reader may still be reading it
     not_before: float = 0.0
+    #: an expired reservation whose writer may still copy into it: no lease end, it goes
+    #: back at ``writers_done`` only
+    fenced: bool = False
 
 
 class LeaseStats(NamedTuple):
@@ -76,6 +89,10 @@ class LeaseStats(NamedTuple):
     reclaimed_released: int  # quarantined extents freed once their holders released them
     reclaimed_lease_end: int  # quarantined extents freed at the end of their lease
     reclaimed_bytes: int
+    fenced_extents: int  # expired write reservations held until their writers prove done
+    fenced_bytes: int
+    quarantined_fenced: int  # write reservations that expired while fenced, since start-up
+    reclaimed_writer_done: int  # fenced extents given back once their writers proved done
 
 
 class ExtentLeases:
@@ -95,7 +112,11 @@ class ExtentLeases:
         # held the L1 lock ~18 ms per pass for the whole grace period
         self._lapsed: dict[int, float] = {}
         self.quarantined_bytes = 0
-        self._counts = dict.fromkeys(("forced", "dropped", "expired", "released", "lease_end", "bytes"), 0)
+        self.fenced_bytes = 0
+        self._fenced = 0
+        self._counts = dict.fromkeys(
+            ("forced", "dropped", "expired", "fenced", "released", "lease_end", "writer_done", "bytes"), 0
+        )
 
     # -- extents leaving -------------------------------------------------------------------
 
@@ -111,9 +132,15 @@ class ExtentLeases:
         """Objects that left L1: free their extents, or quarantine those someone may still
         be reading (read-locked ones, which ``taken_by`` took away; lapsed ones)."""
         free: list[int] = []
-        taken = pinned = 0
+        taken = pinned = fenced = 0
         for obj in objs:
             lapsed_until = self._lapsed.pop(obj.offset, 0.0) if self._lapsed else 0.0
+            if obj.fenced and obj.state is ObjectState.WRITING:
+                # Left uncommitted (reaped at the write TTL) by a writer that copies into
+                # the arena itself and has not said it stopped: it may still be copying.
+                self._hold(obj, 0, math.inf, fenced=True)
+                fenced += 1
+                continue
             # A store's locks are not a reader's: they go by identity (``store_done``).
             # Counting them as holders would let a reader's release of the key be credited
             # to a later object of the key instead of this extent.
@@ -142,6 +169,15 @@ class ExtentLeases:
                 "readers release them (at most until their lock TTL ends)",
                 taken,
             )
+        if fenced:
+            self._counts["fenced"] += fenced
+            logger.warning(
+                "%d expired write reservations fenced: their writers may still be copying into "
+                "them, so their extents are not reused until those writers commit or abort "
+                "(%d bytes fenced in all)",
+                fenced,
+                self.fenced_bytes,
+            )
         if pinned:
             logger.info(
                 "%d L1 objects an L2 store is reading were taken out of L1 (%s); their extents "
@@ -151,10 +187,15 @@ class ExtentLeases:
             )
         self._give_back(free)
 
-    def _hold(self, obj: L1Object, holders: int, until: float, *, not_before: float = 0.0) -> None:
-        entry = _Held(obj, holders, until, self._allocator.size_at(obj.offset), not_before)
+    def _hold(
+        self, obj: L1Object, holders: int, until: float, *, not_before: float = 0.0, fenced: bool = False
+    ) -> None:
+        entry = _Held(obj, holders, until, self._allocator.size_at(obj.offset), not_before, fenced)
         self._by_offset[obj.offset] = entry
         self.quarantined_bytes += entry.extent_bytes
+        if fenced:
+            self.fenced_bytes += entry.extent_bytes
+            self._fenced += 1
         if holders:
             self._held.setdefault(obj.key, []).append(entry)
 
@@ -225,6 +266,20 @@ class ExtentLeases:
         self._forget(entry, "released")
         self._give_back([obj.offset])
 
+    def writers_done(self, objs: Sequence[L1Object]) -> int:
+        """The writers of ``objs`` have stopped copying into them (they committed or
+        aborted): those fenced go back now; returns how many did."""
+        by_offset = self._by_offset
+        done: list[_Held] = []
+        for obj in objs:
+            entry = by_offset.get(obj.offset)
+            if entry is not None and entry.obj is obj and entry.fenced:
+                done.append(entry)
+        for entry in done:
+            self._forget(entry, "writer_done")
+        self._give_back([entry.obj.offset for entry in done])
+        return len(done)
+
     def reclaim(self, now: float) -> int:
         """Free quarantined extents whose lease has ended; returns how many."""
         if self._lapsed:
@@ -275,6 +330,9 @@ class ExtentLeases:
     def _forget(self, entry: _Held, how: str) -> None:
         del self._by_offset[entry.obj.offset]
         self.quarantined_bytes -= entry.extent_bytes
+        if entry.fenced:
+            self.fenced_bytes -= entry.extent_bytes
+            self._fenced -= 1
         self._counts[how] += 1
         self._counts["bytes"] += entry.extent_bytes
 
@@ -313,6 +371,10 @@ class ExtentLeases:
             reclaimed_released=counts["released"],
             reclaimed_lease_end=counts["lease_end"],
             reclaimed_bytes=counts["bytes"],
+            fenced_extents=self._fenced,
+            fenced_bytes=self.fenced_bytes,
+            quarantined_fenced=counts["fenced"],
+            reclaimed_writer_done=counts["writer_done"],
         )
 
     def close(self) -> None:
@@ -320,4 +382,6 @@ class ExtentLeases:
         self._held.clear()
         self._lapsed.clear()
         self.quarantined_bytes = 0
+        self.fenced_bytes = 0
+        self._fenced = 0
         self._generations = None

@@ -328,6 +328,31 @@ class L1Manager:
         """Free objects still being written; other keys are left alone."""
         self._writes.abort(keys)
 
+    def fence_writers(self, objs: Sequence[L1Object]) -> list[L1Object]:
+        """Mark reservations ``reserve_write`` returned as copied into by their writer
+        itself, through the shared arena: if one expires, its extent is fenced (never
+        reused) until :meth:`writers_done` names it (``l1/leases.py``).  Returns those
+        that are no longer being written (reaped already): not fenced, their writer must
+        not be handed them."""
+        with self.lock:
+            get = self._table.objects.get
+            gone: list[L1Object] = []
+            for obj in objs:
+                if get(obj.key) is obj and obj.state is ObjectState.WRITING:
+                    obj.fenced = True
+                else:
+                    gone.append(obj)
+            return gone
+
+    def writers_done(self, objs: Sequence[L1Object]) -> int:
+        """The writers of these reservations (fenced by :meth:`fence_writers`) have stopped
+        copying into them: those still being written expire as any reservation does, and
+        the extents of those that expired go back now.  Returns how many went back."""
+        with self.lock:
+            for obj in objs:
+                obj.fenced = False
+            return self._leases.writers_done(objs)
+
     # -- reading -----------------------------------------------------------------------
 
     def reserve_read(self, keys: Sequence[ObjectKey], count: int = 1) -> dict[ObjectKey, L1Object]:

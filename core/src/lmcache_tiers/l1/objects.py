@@ -56,6 +56,9 @@ class L1Object:
     #: aligned bytes of its extent (the allocator's length at ``offset``), kept here so that
     #: the running total of locked extents (``l1/table.py``) costs an add per lock change
     extent_bytes: int = field(default=0, repr=False)
+    #: reserved by a writer that copies into the shared arena itself: if the reservation
+    #: expires, its extent is fenced until that writer says it stopped (``l1/leases.py``)
+    fenced: bool = field(default=False, repr=False)
 
     @property
     def locked(self) -> bool:

@@ -240,6 +240,7 @@ class WriteReservations:
             for key in dict.fromkeys(keys):
                 obj = objects.get(key)
                 if obj is not None and obj.state is _WRITING and not obj.loading:
+                    obj.fenced = False  # its writer aborts once its copy stopped
                     aborted.append(obj)
             self._table.free(aborted)
             self._skipped.reservations_ended(aborted, "aborted")

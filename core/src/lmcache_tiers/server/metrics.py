@@ -393,6 +393,7 @@ class TiersCollector(Collector):
         taken.add_metric(["forced"], leases.get("quarantined_forced", 0))
         taken.add_metric(["dropped"], leases.get("quarantined_dropped", 0))
         taken.add_metric(["expired"], leases.get("quarantined_expired", 0))
+        taken.add_metric(["fenced"], leases.get("quarantined_fenced", 0))
         yield taken
         reclaimed = _counter(
             "l1_quarantine_reclaimed",
@@ -401,7 +402,21 @@ class TiersCollector(Collector):
         )
         reclaimed.add_metric(["released"], leases.get("reclaimed_released", 0))
         reclaimed.add_metric(["lease_end"], leases.get("reclaimed_lease_end", 0))
+        reclaimed.add_metric(["writer_done"], leases.get("reclaimed_writer_done", 0))
         yield reclaimed
+        fenced = _gauge(
+            "l1_fenced_bytes",
+            "L1 bytes of expired write reservations whose writers may still copy into them "
+            "(part of l1_quarantined_bytes), held until those writers commit or abort",
+        )
+        fenced.add_metric([], float(leases.get("fenced_bytes", 0)))
+        yield fenced
+        fenced_extents = _gauge(
+            "l1_fenced_extents",
+            "L1 extents of expired write reservations held until their writers commit or abort",
+        )
+        fenced_extents.add_metric([], float(leases.get("fenced_extents", 0)))
+        yield fenced_extents
         yield from TiersCollector._single(
             "l1_quarantine_reclaimed_bytes",
             leases.get("reclaimed_bytes", 0),
