@@ -202,12 +202,16 @@ def idle(server: TiersServer, within_s: float = 20.0) -> Samples:
                 ("l1_read_locks", {}),
                 ("l1_write_locked", {}),
                 ("client_locked_keys", {}),
-                ("l1_quarantined_bytes", {}),
                 ("l1_lapsed_objects", {}),
                 *(("in_flight", {"kind": kind}) for kind in _IN_FLIGHT),
             )
             if value(found, name, **labels)
         }
+        # The reservations of clients that walked away stay fenced: their process (this
+        # one) lives on, and might still copy into them.
+        unfenced = value(found, "l1_quarantined_bytes") - value(found, "l1_fenced_bytes")
+        if unfenced:
+            busy["l1_quarantined_bytes (not fenced)"] = unfenced
         if not busy:
             return found
         assert time.monotonic() < deadline, f"never idle: {busy}"
@@ -317,14 +321,19 @@ def test_the_books_balance(
     abandoned = tally.abandoned_locks + tally.abandoned_reservations
     expired = failed.get("l1_lock_expired", 0)
     assert expired <= abandoned <= expired + value(found, "l1_quarantined_total", reason="forced")
-    # Every extent held back for a reader whose lock expired is given back by now.
+    # Every extent held back for a reader whose lock expired is given back by now; those
+    # of walked-away reservations stay fenced (their client's process is this one).
     quarantined = sum(
-        value(found, "l1_quarantined_total", reason=reason) for reason in ("forced", "dropped", "expired")
+        value(found, "l1_quarantined_total", reason=reason)
+        for reason in ("forced", "dropped", "expired", "fenced")
     )
     reclaimed = sum(
-        value(found, "l1_quarantine_reclaimed_total", how=how) for how in ("released", "lease_end")
+        value(found, "l1_quarantine_reclaimed_total", how=how)
+        for how in ("released", "lease_end", "writer_done")
     )
-    assert quarantined == reclaimed
+    still_fenced = value(found, "l1_quarantined_extents")
+    assert quarantined == reclaimed + still_fenced
+    assert still_fenced <= tally.abandoned_reservations
 
     # L1: what came in, less what went out, is what is there.  Objects loaded from L2 are
     # the slack: the default prefetch policy's are temporary, freed after their read (L2
@@ -351,11 +360,12 @@ def test_the_books_balance(
     if prefetch_policy == "default" and not tally.forced_clears:
         assert objects == written_and_left
 
-    # The bytes gauge is the resident objects' extents (L1 allocates whole pages).
+    # The bytes gauge is the resident objects' extents (L1 allocates whole pages), and
+    # the fenced ones of walked-away reservations.
     l1 = server.storage.l1
     with l1.lock:
         extents = sum(l1._allocator.extent_size(obj.size) for obj in l1._table.objects.values())
-    assert value(found, "l1_used_bytes") == extents
+    assert value(found, "l1_used_bytes") == extents + value(found, "l1_fenced_bytes")
 
     # L2 stores: each committed key was bound for each adapter, and is stored there,
     # failed there, or skipped because it left L1 first.

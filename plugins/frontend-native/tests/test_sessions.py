@@ -660,6 +660,9 @@ def test_a_sweep_does_not_walk_what_a_client_holds_until_it_expires() -> None:
     table.sweep(now=121.0)  # the first two hundred writes expired
     assert not session.lock_deadlines and len(session.writes) == 800
     table.sweep(now=2000.0)
+    # Expired uncommitted: kept fenced until the client commits or aborts them.
+    assert not session.writes and len(session.fenced) == 1000
+    session.take_fenced(list(session.fenced))
     assert session.empty
 
 

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import msgspec
 
 from lmcache_plugin_frontend_native.sessions import PendingPrefetch, Session, SessionTable
+from lmcache_plugin_frontend_native.writers import WriterProcesses
 from lmcache_tiers.plugin import (
     BurstLog,
     FrontendStats,
@@ -38,6 +39,10 @@ from lmcache_tiers.plugin import (
 from lmcache_tiers.plugin import wire_protocol as p
 
 logger = logging.getLogger(__name__)
+
+#: a client's expired reservations it may still copy into stay fenced up to this share of
+#: L1 (1/8); past it its new shared-memory stores are refused until it commits or aborts them
+FENCED_SHARE_OF_L1 = 8
 
 #: payload frames as they come off the socket (zmq.Frame) or go onto it (bytes-likes)
 Frames = Sequence[Any]
@@ -158,6 +163,10 @@ class Handlers:
         self.status_provider = status_provider
         self.max_inline_bytes = max_inline_bytes
         l1 = storage.l1
+        #: fenced bytes (``Session.fenced``) past which a client's new shared-memory stores
+        #: are refused: what a client that never comes back keeps out of L1
+        self.fenced_bytes_per_client = max(1, int(l1.capacity_bytes) // FENCED_SHARE_OF_L1)
+        self.writers = WriterProcesses(data_plane.shm_device, data_plane.shm_inode)
         self.sessions = SessionTable(
             float(l1.lock_ttl_s), float(l1.write_ttl_s), lock_deadline=l1.lock_deadline
         )
@@ -231,6 +240,7 @@ class Handlers:
             shm_dir=plane.shm_dir,
         )
         logger.debug("client %s (pid %d) connected as %s", req.client_name or "?", req.pid, identity.hex())
+        self.writers.hello(identity, req.pid)
         return reply, ()
 
     def ping(self, req: p.Ping, identity: bytes, frames: Frames) -> Response:
@@ -412,7 +422,15 @@ class Handlers:
         layouts = _layouts(req.layouts, len(keys))
         now = time.monotonic()
         session = self.sessions.get(identity, now)
+        self._refuse_while_fenced(session, keys, now)
         reserved = self.storage.reserve_write(keys, sizes, layouts)
+        if self.storage.l1.fence_writers(list(reserved.values())):
+            # Reaped before this client was handed them (a write TTL shorter than this
+            # request took): unfenced, their extents may be reused once their grace ends.
+            self.storage.abort_reserved(reserved)
+            raise HandlerError(
+                p.ErrorCode.OUT_OF_MEMORY, "the reservations expired before they could be handed out"
+            )
         session.add_writes(reserved, self.sessions.write_deadline(now))
         if len(reserved) == len(keys):
             # Every key reserved, so none named twice: one slot per key in order, without
@@ -430,6 +448,30 @@ class Handlers:
                 handed_out.add(key)
                 slots.append(p.Slot(obj.offset, obj.size, generations[key]))
         return p.StoreReserveReply(req.req_id, slots=slots), ()
+
+    def _refuse_while_fenced(self, session: Session, keys: Sequence[ObjectKey], now: float) -> None:
+        """Fail closed rather than let a client that may still be copying into expired
+        reservations take more: past its bound of fenced bytes, or for a key whose expired
+        reservation it has not committed or aborted yet (that commit or abort is what
+        gives the fenced extent back, so there must be one reservation of the key it can
+        name).  Refused stores are counted (``store_keys_refused{reason="out_of_memory"}``)
+        and logged by the RPC loop."""
+        # Summed only for a client that has some (rare: a stall past the write TTL).
+        fenced_bytes = sum(obj.extent_bytes for obj in session.fenced.values()) if session.fenced else 0
+        if fenced_bytes >= self.fenced_bytes_per_client:
+            raise HandlerError(
+                p.ErrorCode.OUT_OF_MEMORY,
+                f"this client holds {fenced_bytes} bytes of expired write reservations it "
+                f"may still be copying into (limit {self.fenced_bytes_per_client}); commit or abort "
+                "them before storing more",
+            )
+        key = session.expired_reservation_of(keys, now)
+        if key is not None:
+            raise HandlerError(
+                p.ErrorCode.OUT_OF_MEMORY,
+                f"this client's earlier reservation of key {key} expired uncommitted and may still "
+                "be copied into; commit or abort it before storing the key again",
+            )
 
     def _skips(self, keys: Sequence[ObjectKey], reserved: Mapping[ObjectKey, Any]) -> Counter[str]:
         """Why the keys of a store that L1 did not reserve were skipped.  Only asked when
@@ -479,6 +521,8 @@ class Handlers:
             done = [flag and key in stored for key, flag in zip(req.keys, flags, strict=True)]
             stored_bytes = sum(mine[key].size for key in stored)
             self._count_lost_reservations(req.keys, len(stored))
+            # L1 reaped them before the session saw them expire: fenced, and over now.
+            self._copies_ended([obj for key, obj in mine.items() if key not in stored], identity)
         if stored:
             self.stats.stores += 1
             self.stats.store_chunks += len(stored)
@@ -501,12 +545,47 @@ class Handlers:
         session = self.sessions.existing(identity)
         if session is None:
             return {}, [False] * len(keys)
-        return session.take_writes(keys, time.monotonic())
+        taken = session.take_writes(keys, time.monotonic())
+        self._copies_ended(session.take_fenced(keys), identity)
+        if not session.fenced:
+            self.writers.forget(identity)
+        return taken
+
+    def release_fences_of_exited_writers(self) -> None:
+        """Give back the fenced extents of clients whose process exited (``writers.py``):
+        nothing of theirs can copy into them any more.  Loop thread, at each sweep."""
+        for session in self.sessions:
+            if not session.fenced or not self.writers.exited(session.identity):
+                continue
+            objs = session.take_fenced(list(session.fenced))
+            self.writers.forget(session.identity)
+            given_back = self.storage.l1.writers_done(objs)
+            logger.warning(
+                "client %s exited holding %d expired reservations: their %d fenced L1 extents are given back",
+                session.identity.hex(),
+                len(objs),
+                given_back,
+            )
+
+    def _copies_ended(self, objs: list[Any], identity: bytes) -> None:
+        """The client committed or aborted these reservations, so it has stopped copying
+        into them: those L1 fenced when they expired go back."""
+        if not objs:
+            return
+        given_back = self.storage.l1.writers_done(objs)
+        if given_back:
+            logger.info(
+                "client %s committed or aborted %d reservations after they expired: their "
+                "fenced L1 extents are given back",
+                identity.hex(),
+                given_back,
+            )
 
     def store_abort(self, req: p.StoreAbort, identity: bytes, frames: Frames) -> Response:
         mine, flags = self._take_writes(identity, req.keys)
         if mine:
             self.storage.abort_reserved(mine)
+            self._copies_ended(list(mine.values()), identity)  # those L1 reaped meanwhile
             self.stats.store_keys_skipped["aborted"] += len(mine)
         return p.StoreReply(req.req_id, done=flags), ()
 
@@ -854,6 +933,7 @@ class Handlers:
                 locks += self._give_back(handle, pending)
             session.writes.clear()
             session.prefetches.clear()
+        self.writers.close()
         self.stats.released_at_stop_locks = locks
         self.stats.released_at_stop_reservations = writes
 

@@ -111,6 +111,10 @@ class Session:
     locked_keys: int = 0
     # key -> (deadline, the L1 object reserved for it), in order of deadline (see add_writes)
     writes: dict[ObjectKey, tuple[float, Any]] = field(default_factory=dict)
+    #: reservations that expired uncommitted, whose L1 extents stay fenced until this
+    #: client's commit or abort of the key says it stopped copying (``Handlers``); at most
+    #: one per key: a key with one is not reserved for this client again meanwhile
+    fenced: dict[ObjectKey, Any] = field(default_factory=dict)
     prefetches: dict[int, PendingPrefetch] = field(default_factory=dict)
     # No lock held here expires before this: the sweep passes over a client's locks only
     # once one of them may have expired, not every time it runs.
@@ -365,7 +369,37 @@ class Session:
             flags.append(live)
             if live:
                 mine[key] = obj
+            elif obj is not None:
+                self._fence(key, obj)
         return mine, flags
+
+    def _fence(self, key: ObjectKey, obj: Any) -> None:
+        self.fenced[key] = obj
+
+    def take_fenced(self, keys: Iterable[ObjectKey]) -> list[Any]:
+        """The expired reservations among ``keys`` (forgotten here): the client committed
+        or aborted them, so it no longer copies into their extents."""
+        fenced = self.fenced
+        if not fenced:
+            return []
+        return [obj for key in keys if (obj := fenced.pop(key, None)) is not None]
+
+    def expired_reservation_of(self, keys: Iterable[ObjectKey], now: float) -> ObjectKey | None:
+        """A key among ``keys`` whose reservation by this client expired uncommitted (its
+        copy may still be under way), or None."""
+        writes, fenced = self.writes, self.fenced
+        # ``writes`` is in deadline order: when its first is live, none has expired, and a
+        # client with nothing fenced (the usual case) pays no look-up per key.
+        any_expired = bool(writes) and next(iter(writes.values()))[0] <= now
+        if not (fenced or any_expired):
+            return None
+        for key in keys:
+            if key in fenced:
+                return key
+            write = writes.get(key) if any_expired else None
+            if write is not None and write[0] <= now:
+                return key
+        return None
 
     @property
     def reserved_stores(self) -> int:
@@ -375,7 +409,7 @@ class Session:
 
     @property
     def empty(self) -> bool:
-        return not (self._records or self._locks or self.writes or self.prefetches)
+        return not (self._records or self._locks or self.writes or self.prefetches or self.fenced)
 
     def expire(self, now: float) -> int:
         """Forget the locks and reservations expired at ``now``, looking at those only
@@ -416,7 +450,7 @@ class Session:
                 break
             expired.append(key)
         for key in expired:
-            del writes[key]
+            self._fence(key, writes.pop(key)[1])
         return len(expired)
 
 

@@ -1,0 +1,89 @@
+"""Whether the process of a client holding fenced reservations has exited.
+
+An expired STORE_RESERVE reservation stays fenced until its client commits or aborts the
+key (``Session.fenced``): the client may be stalled mid-copy.  A client process that
+exited copies nothing any more, so its fenced extents can go back too; one that never
+comes back would otherwise keep them until the server stops.
+
+Over ROUTER/DEALER the server does not see a peer's process, only the pid its HELLO
+reports, which means nothing here if the client runs in another pid namespace (or is
+another process here).  So a pid is watched only if, when first asked, it names a process
+visible here that maps the arena segment itself (its device and inode in
+``/proc/<pid>/maps``), through a pidfd, which a later reuse of the pid cannot fool.  A
+client not seen so -- another pid namespace, a pid whose process does not map the arena,
+a peer whose HELLO came before the pids kept here were trimmed -- keeps its fenced extents
+until it commits or aborts them.  Left: a client in another pid namespace whose reported
+pid happens to name another client here mapping the arena would be released when that
+one exits.
+
+Only the server's loop thread calls these methods.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+
+#: HELLO pids kept (the latest peers'): a peer picks its identity, so the table is bounded
+MAX_PIDS = 4096
+
+
+class WriterProcesses:
+    """The pid each client reported, and pidfds of those watched for their exit."""
+
+    def __init__(self, shm_device: int, shm_inode: int) -> None:
+        # " <device> <inode> " as a maps line has them between the offset and the path
+        self._place = f" {os.major(shm_device):02x}:{os.minor(shm_device):02x} {shm_inode} "
+        self._pids: dict[bytes, int] = {}
+        #: identity -> pidfd, or None when its process cannot be watched
+        self._watched: dict[bytes, int | None] = {}
+
+    def hello(self, identity: bytes, pid: int) -> None:
+        pids = self._pids
+        pids.pop(identity, None)
+        pids[identity] = pid
+        if len(pids) > MAX_PIDS:
+            del pids[next(iter(pids))]
+
+    def exited(self, identity: bytes) -> bool:
+        """Whether the process of the client ``identity`` is known to have exited; False
+        when that cannot be told."""
+        if identity not in self._watched:
+            self._watched[identity] = self._watch(self._pids.get(identity, 0))
+        pidfd = self._watched[identity]
+        if pidfd is None:
+            return False
+        readable, _, _ = select.select([pidfd], [], [], 0)
+        return bool(readable)
+
+    def _watch(self, pid: int) -> int | None:
+        if pid <= 0:
+            return None
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:  # gone already, or never here: no proof it was our client's
+            return None
+        # Opened first: the maps read after it are those of the process the pidfd names.
+        try:
+            with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as maps:
+                mapped = any(self._place in line for line in maps)
+        except OSError:
+            mapped = False
+        if not mapped:
+            os.close(pidfd)
+            return None
+        return pidfd
+
+    def forget(self, identity: bytes) -> None:
+        """The client holds nothing fenced any more: stop watching it."""
+        pidfd = self._watched.pop(identity, None)
+        if pidfd is not None:
+            os.close(pidfd)
+
+    def close(self) -> None:
+        for pidfd in self._watched.values():
+            if pidfd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(pidfd)
+        self._watched.clear()

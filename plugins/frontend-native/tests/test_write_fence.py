@@ -1,0 +1,187 @@
+"""A client stalled in the middle of a shared-memory store never writes into another object.
+
+The client checks its reservations' generations, then copies.  Stalled between the two for
+longer than the write TTL and the lease grace, its copy used to land in whatever object the
+server had put in the reaped extent since: that object's readers got the stalled client's
+bytes.  The extent is now fenced until the client commits or aborts the key.  L1's clock is
+driven through ``expire_locks(now)`` from inside the client's copy: no sleeps.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from native_keys import keys_of, stats_of
+
+from lmcache_tiers.client import Client, ServerError
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.wire import protocol as p
+
+CHUNK = 256 << 10
+
+
+def leases(server: TiersServer) -> dict[str, int]:
+    return dict(server.storage_status()["l1"]["leases"])
+
+
+def read(client: Client, key: ObjectKey) -> bytes:
+    assert client.lookup([key]) == 1
+    with client.retrieve([key]) as views:
+        return bytes(views[0])
+
+
+def outlive_write_ttl(server: TiersServer) -> None:
+    """What a writer stalled mid-copy lives through: its reservation is reaped at the write
+    TTL, and the grace period of that expired lock ends."""
+    l1 = server.storage.l1
+    expiry = time.monotonic() + l1.write_ttl_s + 1
+    l1.expire_locks(expiry)
+    l1.expire_locks(expiry + l1.lease_grace_s + 1)
+
+
+def wait_for(condition: Any, what: str, within_s: float = 30.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.05)
+
+
+def stall_before_copy(client: Client, monkeypatch: pytest.MonkeyPatch, stall: Any) -> None:
+    """Run ``stall()`` after the client checked its slots' generations, before its copy."""
+    segment = client._segment
+    assert segment is not None, "the client did not map the server's arena"
+    copy = segment.write_many
+
+    def stalled_copy(copies: Sequence[tuple[int, np.ndarray[Any, Any]]]) -> None:
+        stall()
+        copy(copies)
+
+    monkeypatch.setattr(segment, "write_many", stalled_copy)
+
+
+def test_a_copy_after_the_reservation_expired_never_lands_in_another_object(
+    server: TiersServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stalled_key, victim_key = keys_of(2)
+    with Client(server.endpoint) as writer, Client(server.endpoint) as other:
+
+        def stall() -> None:
+            outlive_write_ttl(server)
+            # Another client stores meanwhile: the extent it gets must not be the stalled one's.
+            assert other.store([victim_key], [bytes([0x11]) * CHUNK]) == 1
+
+        stall_before_copy(writer, monkeypatch, stall)
+        # Its reservation was reaped: nothing stored, and the late copy went nowhere shared.
+        assert writer.store([stalled_key], [bytes([0xEE]) * CHUNK]) == 0
+        monkeypatch.undo()
+
+        assert read(other, victim_key) == bytes([0x11]) * CHUNK
+        assert stats_of(server).store_keys_refused["reservation_lost"] == 1
+        # The commit said the copy was over: the fenced extent went back.
+        held = leases(server)
+        assert held["quarantined_fenced"] == held["reclaimed_writer_done"] == 1
+        assert held["fenced_extents"] == held["fenced_bytes"] == 0
+        # and the client stores the key again as usual
+        assert writer.store([stalled_key], [bytes([0xEE]) * CHUNK]) == 1
+        assert read(other, stalled_key) == bytes([0xEE]) * CHUNK
+
+
+def test_a_client_that_never_says_its_copy_ended_keeps_its_extent_out_of_reach(server: TiersServer) -> None:
+    stalled_key, victim_key = keys_of(2)
+    with Client(server.endpoint) as writer, Client(server.endpoint) as other:
+        reply = writer._call(p.StoreReserve(0, "", [stalled_key], [CHUNK]), p.StoreReserveReply)
+        (slot,) = reply.slots
+        outlive_write_ttl(server)
+        server.storage.l1.expire_locks(time.monotonic() + 10 * server.storage.l1.write_ttl_s)
+        assert other.store([victim_key], [bytes([0x11]) * CHUNK]) == 1
+        assert leases(server)["fenced_extents"] == 1
+        victim = server.storage.l1.get(victim_key)
+        assert victim is not None and victim.offset != slot.offset
+        # Its abort is the word that the copy is over.
+        assert writer._call(p.StoreAbort(0, "", [stalled_key]), p.StoreReply).done == [True]
+        assert leases(server)["fenced_extents"] == 0
+
+
+#: a write TTL short enough for the server's own sweep and reap to expire a reservation
+SHORT_TTL = {"l1_write_ttl_s": 1.0, "l1_lock_ttl_s": 1.0}
+
+
+def fenced_by_its_session(server: TiersServer) -> bool:
+    """L1 fenced the reservation, and the front end's sweep put it with its client's."""
+    sessions = server.frontends[0].handlers.sessions
+    return leases(server)["fenced_extents"] == 1 and any(session.fenced for session in sessions)
+
+
+def test_a_client_is_refused_new_stores_past_its_fenced_bound(make_server: Any) -> None:
+    server = make_server(**SHORT_TTL)
+    server.frontends[0].handlers.fenced_bytes_per_client = CHUNK  # one fenced chunk reaches it
+    stalled_key, next_key = keys_of(2)
+    with Client(server.endpoint) as writer:
+        writer._call(p.StoreReserve(0, "", [stalled_key], [CHUNK]), p.StoreReserveReply)
+        wait_for(lambda: fenced_by_its_session(server), "the expired reservation fenced")
+        with pytest.raises(ServerError) as refused:
+            writer.store([next_key], [bytes(CHUNK)])
+        assert refused.value.code is p.ErrorCode.OUT_OF_MEMORY
+        assert stats_of(server).store_keys_refused["out_of_memory"] == 1
+        # once it aborts the expired reservation, it stores again
+        assert writer._call(p.StoreAbort(0, "", [stalled_key]), p.StoreReply).done == [False]
+        assert leases(server)["fenced_extents"] == 0
+        assert writer.store([next_key], [bytes(CHUNK)]) == 1
+
+
+def test_a_key_whose_expired_reservation_is_outstanding_is_not_reserved_again_for_its_client(
+    make_server: Any,
+) -> None:
+    server = make_server(**SHORT_TTL)
+    (key,) = keys_of(1)
+    with Client(server.endpoint) as writer, Client(server.endpoint) as other:
+        writer._call(p.StoreReserve(0, "", [key], [CHUNK]), p.StoreReserveReply)
+        wait_for(lambda: fenced_by_its_session(server), "the expired reservation fenced")
+        # A second reservation of the key would make its commit ambiguous: which copy ended?
+        with pytest.raises(ServerError) as refused:
+            writer.store([key], [bytes(CHUNK)])
+        assert refused.value.code is p.ErrorCode.OUT_OF_MEMORY
+        # Other clients are not held up by it.
+        assert other.store([key], [bytes(CHUNK)]) == 1
+
+
+_RESERVE_AND_WAIT = """
+import sys
+from lmcache_tiers.client import Client
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.wire import protocol as p
+client = Client(sys.argv[1])
+key = ObjectKey("write-fence", 0, b"exited00")
+reply = client._call(p.StoreReserve(0, "", [key], [int(sys.argv[2])]), p.StoreReserveReply)
+print(reply.slots[0].offset, flush=True)
+sys.stdin.read()  # stalled mid-store until killed
+"""
+
+
+def test_the_fence_of_a_client_whose_process_exited_is_lifted(make_server: Any) -> None:
+    server = make_server(**SHORT_TTL)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _RESERVE_AND_WAIT, server.endpoint, str(CHUNK)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert writer.stdout is not None
+        assert int(writer.stdout.readline()) >= 0
+        wait_for(lambda: leases(server)["fenced_extents"] == 1, "the expired reservation fenced")
+        # Alive, it keeps the fence whatever the time (no commit, no abort, no exit).
+        server.storage.l1.expire_locks(time.monotonic() + 3600.0)
+        assert leases(server)["fenced_extents"] == 1
+    finally:
+        writer.kill()
+        writer.wait()
+    wait_for(lambda: leases(server)["fenced_extents"] == 0, "the fence of the exited client lifted")
+    assert leases(server)["reclaimed_writer_done"] == 1
