@@ -10,8 +10,10 @@ header describing another payload (a buggy writer's) is damage, never a size to 
 and the caller's buffer, before the payload is read; the object is reported loaded only once every byte
 matched the header's checksum.  On a standalone store lookups and loads read their replies
 themselves (direct.py, replies.py): the payload goes from the socket into the caller's
-buffer, hashed piece by piece as it lands.  In cluster mode they go through redis-py's
-cluster pipeline, which follows slot moves, and a load copies the verified reply.
+buffer, hashed piece by piece as it lands; stores are written there too, the next trip's
+checksums taken while the store reads the current one (writes.py).  In cluster mode they
+go through redis-py's cluster pipeline, which follows slot moves, and a load copies the
+verified reply.
 
 Why plain methods on worker threads (not ``redis.asyncio``): on 256 x 1 MiB the sync client
 with pipelines stored and loaded ~1.5-2x faster than the asyncio client on this project's

@@ -5,9 +5,9 @@ redis-py packs commands with hiredis when hiredis is installed, and that packer 
 buffer: a 1 MiB payload is copied twice before it reaches the socket.  Its pure-Python
 packer sends a ``memoryview`` as a buffer of its own, untouched; the connections built
 here use it for every command (on 256 x 1 MiB stores it was ~1.5-2x faster on this
-project's 2-core machine).  Replies are parsed by hiredis, except those of standalone
-loads, which are read straight into their buffers (replies.py); connections speak RESP2
-for that.
+project's 2-core machine).  Replies are parsed by hiredis, except those of a standalone
+store's lookups, loads and stores, which go over connections of their own (direct.py;
+loads are read straight into their buffers, replies.py); connections speak RESP2 for that.
 
 Retries: a command is retried once at once on a connection error (a pooled connection
 that died with a restarted server), so a dead store fails a call within about twice the
