@@ -224,21 +224,33 @@ def measure_floor(transport: str, keys: Sequence[ObjectKey]) -> tuple[float, flo
 
 @contextlib.contextmanager
 def pinned(placements: dict[int, int]) -> Iterator[None]:
-    """Every thread of each process (pid) on the one CPU given for it, as it was again on
-    the way out (threads started meanwhile inherit their starter's)."""
-    saved: list[tuple[int, set[int]]] = []
+    """Every thread of each process (pid) on the one CPU given for it, and on the way out
+    where it was, or for a thread started meanwhile (pinned, as its starter was), where
+    its process's main thread was."""
+    saved: dict[int, dict[int, set[int]]] = {}
     try:
         for pid, cpu in placements.items():
-            for task in os.listdir(f"/proc/{pid}/task"):
-                tid = int(task)
+            threads = saved.setdefault(pid, {})
+            for tid in _threads_of(pid):
                 with contextlib.suppress(ProcessLookupError):
-                    saved.append((tid, os.sched_getaffinity(tid)))
+                    threads[tid] = os.sched_getaffinity(tid)
                     os.sched_setaffinity(tid, {cpu})
         yield
     finally:
-        for tid, cpus in saved:
-            with contextlib.suppress(ProcessLookupError):
-                os.sched_setaffinity(tid, cpus)
+        for pid, threads in saved.items():
+            default = threads.get(pid)
+            for tid in _threads_of(pid):
+                cpus = threads.get(tid, default)
+                if cpus is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.sched_setaffinity(tid, cpus)
+
+
+def _threads_of(pid: int) -> list[int]:
+    try:
+        return [int(task) for task in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:  # the process ended
+        return []
 
 
 def floor_placement(server_pid: int | None) -> tuple[int, int] | None:

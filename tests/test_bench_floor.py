@@ -57,22 +57,34 @@ def test_pinned_puts_every_thread_of_a_process_on_its_cpu_and_gives_the_old_plac
         [
             sys.executable,
             "-c",
-            "import threading, sys; threading.Thread(target=sys.stdin.read).start(); print(1, flush=True); "
-            "sys.stdin.read()",
+            "import threading, sys\n"
+            "threading.Thread(target=threading.Event().wait, daemon=True).start()\n"
+            "print(1, flush=True)\n"
+            "sys.stdin.readline()\n"
+            "threading.Thread(target=threading.Event().wait, daemon=True).start()\n"
+            "print(2, flush=True)\n"
+            "sys.stdin.readline()",
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "1"
+        assert child.stdin is not None and child.stdout is not None
+        assert child.stdout.readline().strip() == "1"
         tasks = [int(task) for task in os.listdir(f"/proc/{child.pid}/task")]
         assert len(tasks) >= 2
         before = {task: os.sched_getaffinity(task) for task in tasks}
         cpu = max(os.sched_getaffinity(0))
         with bench_server.pinned({child.pid: cpu}):
             assert all(os.sched_getaffinity(task) == {cpu} for task in tasks)
-        assert {task: os.sched_getaffinity(task) for task in tasks} == before
+            child.stdin.write("start\n")  # a third thread, started pinned
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == "2"
+            started = set(map(int, os.listdir(f"/proc/{child.pid}/task"))) - set(tasks)
+            assert len(started) == 1 and os.sched_getaffinity(started.pop()) == {cpu}
+        after = {int(task): os.sched_getaffinity(int(task)) for task in os.listdir(f"/proc/{child.pid}/task")}
+        assert after == {task: before.get(task, before[child.pid]) for task in after}
     finally:
         child.kill()
         child.wait()
