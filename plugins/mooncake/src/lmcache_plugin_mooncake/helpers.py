@@ -31,6 +31,10 @@ class HelperThreads:
         self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
             queue.SimpleQueue()
         )
+        # Held while a job or the threads' ends are queued: a job queued after the ends
+        # would never run, and its caller would wait for it forever.
+        self._lock = threading.Lock()
+        self._shut = False
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}-{index}", daemon=True) for index in range(count)
         ]
@@ -38,8 +42,13 @@ class HelperThreads:
             thread.start()
 
     def submit(self, function: Callable[..., T], *args: Any) -> Future[T]:
+        """``function(*args)`` on a helper thread; raises ``RuntimeError`` once shut down
+        (as an executor does): a call close left running reaches its checksums late."""
         future: Future[T] = Future()
-        self._jobs.put((future, function, args))
+        with self._lock:
+            if self._shut:
+                raise RuntimeError("the helper threads are shut down")
+            self._jobs.put((future, function, args))
         return future
 
     def _work(self) -> None:
@@ -54,7 +63,9 @@ class HelperThreads:
 
     def shutdown(self) -> None:
         """End the threads once the work already submitted is done."""
-        for _ in self._threads:
-            self._jobs.put(None)
+        with self._lock:
+            self._shut = True
+            for _ in self._threads:
+                self._jobs.put(None)
         for thread in self._threads:
             thread.join()
