@@ -185,3 +185,46 @@ def test_the_fence_of_a_client_whose_process_exited_is_lifted(make_server: Any) 
         writer.wait()
     wait_for(lambda: leases(server)["fenced_extents"] == 0, "the fence of the exited client lifted")
     assert leases(server)["reclaimed_writer_done"] == 1
+
+
+def reserve_and_outlive(server: TiersServer, writer: Client, key: ObjectKey) -> None:
+    writer._call(p.StoreReserve(0, "", [key], [CHUNK]), p.StoreReserveReply)
+    wait_for(lambda: fenced_by_its_session(server), "the expired reservation fenced")
+
+
+def test_a_client_back_under_a_new_identity_lifts_the_fence_of_its_earlier_one(make_server: Any) -> None:
+    """A dropped connection comes back under a new ZeroMQ identity, and the store's commit
+    or abort goes over it: the fence of the reservation made under the old identity is
+    lifted by it, or a long-lived process would strand a batch fenced at every drop."""
+    server = make_server(**SHORT_TTL)
+    aborted, committed = keys_of(2)
+    with Client(server.endpoint) as before_the_drop, Client(server.endpoint) as after_the_drop:
+        reserve_and_outlive(server, before_the_drop, aborted)
+        assert after_the_drop._call(p.StoreAbort(0, "", [aborted]), p.StoreReply).done == [False]
+        assert leases(server)["fenced_extents"] == 0
+        reserve_and_outlive(server, before_the_drop, committed)
+        assert after_the_drop._call(p.StoreCommit(0, "", [committed]), p.StoreReply).done == [False]
+        held = leases(server)
+        assert held["fenced_extents"] == 0
+        assert held["quarantined_fenced"] == held["reclaimed_writer_done"] == 2
+
+
+def test_a_live_reservation_of_an_earlier_identity_is_committed_by_the_client_back(
+    server: TiersServer,
+) -> None:
+    (key,) = keys_of(1)
+    with Client(server.endpoint) as before_the_drop, Client(server.endpoint) as after_the_drop:
+        before_the_drop._call(p.StoreReserve(0, "", [key], [CHUNK]), p.StoreReserveReply)
+        assert after_the_drop._call(p.StoreCommit(0, "", [key]), p.StoreReply).done == [True]
+        assert server.storage.l1.get(key) is not None
+        # nothing left behind to expire and be fenced
+        assert not any(session.writes for session in server.frontends[0].handlers.sessions)
+
+
+def test_a_client_storing_the_key_itself_leaves_the_fence_of_another_in_place(make_server: Any) -> None:
+    server = make_server(**SHORT_TTL)
+    (key,) = keys_of(1)
+    with Client(server.endpoint) as stalled, Client(server.endpoint) as other:
+        reserve_and_outlive(server, stalled, key)
+        assert other.store([key], [bytes(CHUNK)]) == 1
+        assert leases(server)["fenced_extents"] == 1

@@ -543,13 +543,56 @@ class Handlers:
         """The caller's live reservations among ``keys`` (see Session.take_writes); a
         client that reserved nothing gets no session for asking."""
         session = self.sessions.existing(identity)
+        now = time.monotonic()
+        held: set[ObjectKey] = set()
         if session is None:
-            return {}, [False] * len(keys)
-        taken = session.take_writes(keys, time.monotonic())
-        self._copies_ended(session.take_fenced(keys), identity)
-        if not session.fenced:
-            self.writers.forget(identity)
-        return taken
+            mine: dict[ObjectKey, Any] = {}
+            flags = [False] * len(keys)
+        else:
+            mine, flags = session.take_writes(keys, now)
+            fenced = session.take_fenced(keys)
+            self._copies_ended(fenced, identity)
+            if not session.fenced:
+                self.writers.forget(identity)
+            if len(mine) + len(fenced) >= len(keys):
+                return mine, flags
+            held = {obj.key for obj in fenced}
+        # Rare: keys this client holds no reservation of.
+        unheld = [key for key, live in zip(keys, flags, strict=True) if not live and key not in held]
+        if unheld:
+            self._take_from_earlier_connection(identity, unheld, now, mine, flags, keys)
+        return mine, flags
+
+    def _take_from_earlier_connection(
+        self,
+        identity: bytes,
+        unheld: list[ObjectKey],
+        now: float,
+        mine: dict[ObjectKey, Any],
+        flags: list[bool],
+        keys: Sequence[ObjectKey],
+    ) -> None:
+        """A commit or abort of keys this client holds no reservation of: a client whose
+        connection dropped came back under a new identity and names the reservations it
+        made under the old one.  Those of an earlier identity whose process, watched and
+        alive, is this client's are taken as this client's (live ones committed or
+        aborted; expired ones, fenced until this word or its exit, given back), or their
+        extents would stay fenced while the process lives.  Another client reserving and
+        committing a key holds its own reservation of it, so it never lifts the fence of a
+        writer that may still be copying."""
+        for earlier in self.sessions:
+            if earlier.identity == identity or not (earlier.writes or earlier.fenced):
+                continue
+            if not self.writers.same_process(earlier.identity, identity):
+                continue
+            live, _ = earlier.take_writes(unheld, now)
+            for index, key in enumerate(keys):
+                if key in live and key not in mine:
+                    flags[index] = True
+                    mine[key] = live[key]
+            self._copies_ended(earlier.take_fenced(unheld), identity)
+            if not earlier.fenced:
+                self.writers.forget(earlier.identity)
 
     def release_fences_of_exited_writers(self) -> None:
         """Give back the fenced extents of clients whose process exited (``writers.py``):

@@ -36,8 +36,8 @@ class WriterProcesses:
         # " <device> <inode> " as a maps line has them between the offset and the path
         self._place = f" {os.major(shm_device):02x}:{os.minor(shm_device):02x} {shm_inode} "
         self._pids: dict[bytes, int] = {}
-        #: identity -> pidfd, or None when its process cannot be watched
-        self._watched: dict[bytes, int | None] = {}
+        #: identity -> (pid, pidfd), or None when its process cannot be watched
+        self._watched: dict[bytes, tuple[int, int] | None] = {}
 
     def hello(self, identity: bytes, pid: int) -> None:
         pids = self._pids
@@ -49,13 +49,25 @@ class WriterProcesses:
     def exited(self, identity: bytes) -> bool:
         """Whether the process of the client ``identity`` is known to have exited; False
         when that cannot be told."""
+        watched = self._watched_process(identity)
+        return watched is not None and _exited(watched[1])
+
+    def same_process(self, earlier: bytes, identity: bytes) -> bool:
+        """Whether the client ``identity`` runs in the process, alive and watched, of the
+        client ``earlier``: a client whose connection dropped and came back under a new
+        identity (its HELLO reports the same pid, which a live process keeps)."""
+        pid = self._pids.get(identity, 0)
+        if pid <= 0 or (earlier not in self._watched and self._pids.get(earlier) != pid):
+            return False  # not watched only to be told apart
+        watched = self._watched_process(earlier)
+        return watched is not None and watched[0] == pid and not _exited(watched[1])
+
+    def _watched_process(self, identity: bytes) -> tuple[int, int] | None:
         if identity not in self._watched:
-            self._watched[identity] = self._watch(self._pids.get(identity, 0))
-        pidfd = self._watched[identity]
-        if pidfd is None:
-            return False
-        readable, _, _ = select.select([pidfd], [], [], 0)
-        return bool(readable)
+            pid = self._pids.get(identity, 0)
+            pidfd = self._watch(pid)
+            self._watched[identity] = None if pidfd is None else (pid, pidfd)
+        return self._watched[identity]
 
     def _watch(self, pid: int) -> int | None:
         if pid <= 0:
@@ -77,13 +89,18 @@ class WriterProcesses:
 
     def forget(self, identity: bytes) -> None:
         """The client holds nothing fenced any more: stop watching it."""
-        pidfd = self._watched.pop(identity, None)
-        if pidfd is not None:
-            os.close(pidfd)
+        watched = self._watched.pop(identity, None)
+        if watched is not None:
+            os.close(watched[1])
 
     def close(self) -> None:
-        for pidfd in self._watched.values():
-            if pidfd is not None:
+        for watched in self._watched.values():
+            if watched is not None:
                 with contextlib.suppress(OSError):
-                    os.close(pidfd)
+                    os.close(watched[1])
         self._watched.clear()
+
+
+def _exited(pidfd: int) -> bool:
+    readable, _, _ = select.select([pidfd], [], [], 0)
+    return bool(readable)
