@@ -16,6 +16,7 @@ import pytest
 from engine_support import GatedConfig, gated_backend, keys_of, store, store_in_l2_only, wait_for
 
 from lmcache_tiers.config import AdapterSpec, L2EvictionConfig
+from lmcache_tiers.controllers import l2_deletes
 from lmcache_tiers.controllers.l2_deletes import L2Deletes
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.storage import StorageManager
@@ -96,3 +97,20 @@ def test_deletes_are_remembered_for_the_stores_that_may_have_met_them() -> None:
     assert deletes.raced([first, second], after) == []
     deletes.forget_before(after)  # no store older than that is running
     assert deletes.raced([first, second], before) == []
+
+
+def test_the_oldest_ended_deletes_are_forgotten_first(monkeypatch) -> None:
+    monkeypatch.setattr(l2_deletes, "ENDED_MAX", 2)
+    deletes = L2Deletes()
+    first, second, third = keys_of(4, 3)
+    before = deletes.events
+    for key in (first, second, first):  # ``first`` ended again: now the newest
+        deletes.begin([key])
+        deletes.end([key])
+    assert deletes.raced([first, second], before) == [first, second]
+    deletes.begin([third])
+    deletes.end([third])  # one over the bound: the oldest (``second``) goes
+    assert deletes.raced([first, second, third], before) == [first, third]
+    since_first = deletes.events - 2  # ``first`` ended at that count, ``third`` after
+    deletes.forget_before(since_first)
+    assert deletes.raced([first, third], before) == [third]

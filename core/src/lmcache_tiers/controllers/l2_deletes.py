@@ -18,7 +18,7 @@ counted as before.
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 from lmcache_tiers.keys import ObjectKey
@@ -33,8 +33,11 @@ class L2Deletes:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running: Counter[ObjectKey] = Counter()
-        #: key -> ``events`` when its last delete ended, oldest first
-        self._ended: dict[ObjectKey, int] = {}
+        #: key -> ``events`` when its last delete ended, oldest first.  Ordered, not a dict:
+        #: the oldest are dropped one by one, and ``next(iter(d))`` on a dict scans every
+        #: slot deleted before it (until a resize), so past ``ENDED_MAX`` each end cost
+        #: O(keys) under the lock, ~30 us a key
+        self._ended: OrderedDict[ObjectKey, int] = OrderedDict()
         #: begins and ends so far: a store task reads it when submitted
         self.events = 0
         #: called after a delete ended (wakes the store controller); set once, before use
@@ -53,10 +56,10 @@ class L2Deletes:
                 running[key] -= 1
                 if running[key] <= 0:
                     del running[key]
-                ended.pop(key, None)  # to the end: oldest first stays true
                 ended[key] = events
+                ended.move_to_end(key)  # oldest first stays true
             while len(ended) > ENDED_MAX:
-                del ended[next(iter(ended))]
+                ended.popitem(last=False)
         on_end = self.on_end
         if on_end is not None:
             on_end()
@@ -82,7 +85,7 @@ class L2Deletes:
                 ended.clear()
                 return
             while ended:
-                key = next(iter(ended))
-                if ended[key] > events:
+                ended_at = next(iter(ended.values()))
+                if ended_at > events:
                     break
-                del ended[key]
+                ended.popitem(last=False)
