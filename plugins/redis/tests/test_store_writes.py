@@ -1,0 +1,70 @@
+"""A standalone store trip written on the thread's own connection (writes.py), against a
+peer on a real socket that plays the store: the bytes on the wire, and the store's
+answer to an object over its ``proto-max-bulk-len`` read as that object's reply."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+from lmcache_plugin_redis.backend import _dropped_indices
+from lmcache_plugin_redis.direct import pack_command
+from lmcache_plugin_redis.replies import ReplyReader
+from lmcache_plugin_redis.writes import RecordHeaders, write_records
+from redis.exceptions import ResponseError
+
+from lmcache_tiers.plugin import ObjectKey
+from lmcache_tiers.testing.l2 import make_keys
+
+
+class _Context:
+    """Record headers that name their payload's first byte (the real ones: core's)."""
+
+    def record_header(self, key: ObjectKey, payload: memoryview) -> bytes:
+        return b"header-of-%d" % bytes(payload[:1])[0]
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    ours, theirs = socket.socketpair()
+    ours.settimeout(5.0)
+    theirs.settimeout(5.0)
+    yield ours, theirs
+    ours.close()
+    theirs.close()
+
+
+def _received(sock: socket.socket, length: int) -> bytes:
+    data = b""
+    while len(data) < length:
+        piece = sock.recv(length - len(data))
+        assert piece, "the trip ended early"
+        data += piece
+    return data
+
+
+def test_a_trip_is_the_hsets_redis_py_would_send_and_the_bulk_limit_answer_drops_its_object(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    # Redis answers a string over proto-max-bulk-len with "ERR Protocol error: invalid
+    # bulk length" just before it closes the connection.  redis-py strips the "ERR " from
+    # such a text; the direct reader keeps it, and the object must still be read as
+    # dropped (its limits read again, it refused alone), not as a reply error about it.
+    ours, theirs = pair
+    keys = make_keys(2)
+    payloads = [memoryview(bytearray([7]) * 3000), memoryview(bytearray([9]) * 5000)]
+    names = {0: b"prefix:zero", 1: b"prefix:one"}
+    headers = RecordHeaders(_Context(), keys, payloads)  # type: ignore[arg-type]
+    expected = b"".join(
+        pack_command(b"HSET", names[index], b"h", b"header-of-%d" % payloads[index][0], b"p", payloads[index])
+        for index in (0, 1)
+    )
+    theirs.sendall(b":2\r\n-ERR Protocol error: invalid bulk length\r\n")
+    reader = ReplyReader()
+    reader.attach(ours)
+    replies = write_records(ours.sendall, reader, names, payloads, headers, [0, 1], [])
+    assert _received(theirs, len(expected)) == expected
+    assert replies[0] == 2
+    assert isinstance(replies[1], ResponseError)
+    assert _dropped_indices([0, 1], replies) == [1]
