@@ -331,6 +331,7 @@ def check_table(l1: L1Manager) -> None:
     assert table.locked.keys() <= table.objects.keys()
     assert table.ready.keys() <= table.objects.keys()
     assert table.temporary <= table.objects.keys()
+    assert table.unstored_bytes == sum(obj.size for obj in table.objects.values() if obj.unstored)
     stats = l1.stats()
     assert stats.read_locks >= 0 and stats.used_bytes == l1.used_bytes
 
