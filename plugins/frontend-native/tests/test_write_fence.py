@@ -9,6 +9,7 @@ driven through ``expire_locks(now)`` from inside the client's copy: no sleeps.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from lmcache_plugin_frontend_native import writers
 from native_keys import keys_of, stats_of
 
 from lmcache_tiers.client import Client, ServerError
@@ -228,3 +230,20 @@ def test_a_client_storing_the_key_itself_leaves_the_fence_of_another_in_place(ma
         reserve_and_outlive(server, stalled, key)
         assert other.store([key], [bytes(CHUNK)]) == 1
         assert leases(server)["fenced_extents"] == 1
+
+
+def test_the_pid_of_a_client_holding_reservations_outlasts_later_hellos(
+    server: TiersServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The HELLO pids kept are bounded; a long-lived client's HELLO is the oldest, and
+    without its pid the fence of its reservations would outlive its process."""
+    monkeypatch.setattr(writers, "MAX_PIDS", 2)
+    (key,) = keys_of(1)
+    handlers = server.frontends[0].handlers
+    with Client(server.endpoint) as long_lived:
+        long_lived._call(p.StoreReserve(0, "", [key], [CHUNK]), p.StoreReserveReply)
+        (identity,) = [session.identity for session in handlers.sessions if session.writes]
+        for _ in range(3):
+            with Client(server.endpoint):
+                pass
+        assert handlers.writers._pids.get(identity) == os.getpid()

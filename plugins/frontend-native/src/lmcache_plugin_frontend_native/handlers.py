@@ -166,7 +166,11 @@ class Handlers:
         #: fenced bytes (``Session.fenced``) past which a client's new shared-memory stores
         #: are refused: what a client that never comes back keeps out of L1
         self.fenced_bytes_per_client = max(1, int(l1.capacity_bytes) // FENCED_SHARE_OF_L1)
-        self.writers = WriterProcesses(data_plane.shm_device, data_plane.shm_inode)
+        self.writers = WriterProcesses(
+            data_plane.shm_device,
+            data_plane.shm_inode,
+            lambda identity: self.sessions.peek(identity) is not None,
+        )
         self.sessions = SessionTable(
             float(l1.lock_ttl_s), float(l1.write_ttl_s), lock_deadline=l1.lock_deadline
         )

@@ -11,8 +11,8 @@ another process here).  So a pid is watched only if, when first asked, it names 
 visible here that maps the arena segment itself (its device and inode in
 ``/proc/<pid>/maps``), through a pidfd, which a later reuse of the pid cannot fool.  A
 client not seen so -- another pid namespace, a pid whose process does not map the arena,
-a peer whose HELLO came before the pids kept here were trimmed -- keeps its fenced extents
-until it commits or aborts them.  Left: a client in another pid namespace whose reported
+a peer that held nothing while the pids kept here were trimmed past its HELLO -- keeps
+its fenced extents until it commits or aborts them.  Left: a client in another pid namespace whose reported
 pid happens to name another client here mapping the arena would be released when that
 one exits.
 
@@ -24,15 +24,19 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+from collections.abc import Callable
 
-#: HELLO pids kept (the latest peers'): a peer picks its identity, so the table is bounded
+#: HELLO pids kept (past it, the oldest of a peer holding nothing is dropped): a peer
+#: picks its identity, so the table is bounded
 MAX_PIDS = 4096
 
 
 class WriterProcesses:
     """The pid each client reported, and pidfds of those watched for their exit."""
 
-    def __init__(self, shm_device: int, shm_inode: int) -> None:
+    def __init__(self, shm_device: int, shm_inode: int, holds: Callable[[bytes], bool]) -> None:
+        """``holds(identity)``: whether that client holds anything (a session) now."""
+        self._holds = holds
         # " <device> <inode> " as a maps line has them between the offset and the path
         self._place = f" {os.major(shm_device):02x}:{os.minor(shm_device):02x} {shm_inode} "
         self._pids: dict[bytes, int] = {}
@@ -44,7 +48,11 @@ class WriterProcesses:
         pids.pop(identity, None)
         pids[identity] = pid
         if len(pids) > MAX_PIDS:
-            del pids[next(iter(pids))]
+            # Not the pid of a client holding reservations: a long-lived client's HELLO is
+            # old, and without its pid its fences would outlive its process.
+            holds = self._holds
+            oldest = next((peer for peer in pids if not holds(peer)), next(iter(pids)))
+            del pids[oldest]
 
     def exited(self, identity: bytes) -> bool:
         """Whether the process of the client ``identity`` is known to have exited; False
