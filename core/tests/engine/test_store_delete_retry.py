@@ -114,3 +114,28 @@ def test_the_oldest_ended_deletes_are_forgotten_first(monkeypatch) -> None:
     since_first = deletes.events - 2  # ``first`` ended at that count, ``third`` after
     deletes.forget_before(since_first)
     assert deletes.raced([first, third], before) == [third]
+
+
+def test_a_store_waiting_for_a_delete_that_never_ends_is_counted_at_the_stop(engine, monkeypatch) -> None:
+    storage = engine([evicting_adapter()])
+    (key,) = keys_of(5, 1)
+    store_in_l2_only(storage, [key], SIZE)
+    deletes = ParkedDeletes(storage, monkeypatch)
+    evicting = evict_in_background(storage)
+    try:
+        assert deletes.arrived.wait(10), "the eviction never deleted the key"
+        assert store(storage, [key], SIZE) == [key]
+        assert wait_for(lambda: storage.stats.failures().get("l2_store_retried_after_delete") == 1)
+        assert not storage.flush(0.2), "a flush reported done while the key is in no L2"
+        assert storage.l1.get(key).unstored
+        storage.close(drain_timeout_s=0.0)  # the delete is still parked
+        failures = storage.stats.failures()
+        assert failures.get("l2_store_dropped_at_shutdown") == 1, failures
+        assert "l2_store_failed" not in failures
+    finally:
+        deletes.gate.set()
+        evicting.join(30)
+        # The close cut the eviction's wait short: its delete's own thread ends only now.
+        for thread in threading.enumerate():
+            if thread.name.endswith("-delete"):
+                thread.join(30)
