@@ -139,3 +139,14 @@ def test_a_store_waiting_for_a_delete_that_never_ends_is_counted_at_the_stop(eng
         for thread in threading.enumerate():
             if thread.name.endswith("-delete"):
                 thread.join(30)
+
+
+def test_deletes_no_store_met_are_forgotten_though_the_adapter_stores_nothing(engine) -> None:
+    # Its store completions never wake the controller: the ended deletes are forgotten at
+    # the wake-up their end brings, not kept (up to ENDED_MAX keys) for stores never made.
+    storage = engine([evicting_adapter()])
+    victims = keys_of(6, 4)
+    store_in_l2_only(storage, victims, SIZE)
+    deletes = storage.l2_evictions[0].slot.deletes
+    assert storage.l2_evictions[0].evict(SIZE) > 0
+    assert wait_for(lambda: deletes.raced(victims, -1) == []), "ended deletes kept for no store"

@@ -237,12 +237,26 @@ class StoreController(ControllerThread):
                     self._starting = 0
         if self._left_behind():
             return
+        self._forget_deletes()
         self._release_after_delete()
         self._prune_backlogs()
         self._submit_slices()
 
     def _waiting_count(self) -> int:
         return len(self._pacer) + len(self._after_delete)
+
+    def _forget_deletes(self) -> None:
+        """Forget, in every adapter, the deletes that ended before each of its running store
+        tasks was submitted: they met none of them.  Every step, not only as an adapter's
+        stores complete: an adapter whose eviction deletes while nothing is stored there
+        would keep them (``ENDED_MAX`` keys) for stores never made; a delete's end wakes
+        this thread (``deletes.on_end``)."""
+        seen: dict[int, int] = {}
+        for task in self._tasks.owners():
+            index = task.slot.index
+            seen[index] = min(seen.get(index, task.deletes_seen), task.deletes_seen)
+        for slot in self.slots:
+            slot.deletes.forget_before(seen.get(slot.index))
 
     def _release_after_delete(self) -> None:
         """Hand the pacer the slices of keys stored again whose deletes have ended."""
@@ -537,9 +551,6 @@ class StoreController(ControllerThread):
                         logger.exception(
                             "%s: finishing the batch of store task %d failed", slot.name, task.task_id
                         )
-        # Deletes that ended before every task still running was submitted met none of them.
-        seen = [task.deletes_seen for task in self._tasks.owners() if task.slot is slot]
-        slot.deletes.forget_before(min(seen) if seen else None)
 
     def _complete(self, task: _Task, results: Sequence[bool]) -> None:
         stored = [key for key, ok in zip(task.keys, results, strict=False) if ok]
