@@ -9,9 +9,12 @@ driven through ``expire_locks(now)`` from inside the client's copy: no sleeps.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -247,3 +250,78 @@ def test_the_pid_of_a_client_holding_reservations_outlasts_later_hellos(
             with Client(server.endpoint):
                 pass
         assert handlers.writers._pids.get(identity) == os.getpid()
+
+
+class CuttableLink:
+    """A TCP relay to the server whose connections the test cuts: the client sees a real
+    drop, reconnects, and the server sees it under a new ZeroMQ identity (a peer without a
+    routing id of its own gets a new one per connection)."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.removeprefix("tcp://").rsplit(":", 1)
+        self._target = (host.strip("[]"), int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._pairs: list[tuple[socket.socket, socket.socket]] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                near, _ = self._listener.accept()
+            except OSError:
+                return
+            far = socket.create_connection(self._target)
+            self._pairs.append((near, far))
+            for source, sink in ((near, far), (far, near)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(1 << 16):
+                sink.sendall(data)
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        for pair in self._pairs:
+            for end in pair:
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._listener.close()
+        self.cut()
+
+
+def test_a_store_whose_connection_dropped_mid_copy_is_committed_not_fenced(
+    server: TiersServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drop comes between the client's check of its slots and its copy: its commit
+    goes over the new connection, under a new identity, and still commits the
+    reservation made under the old one, which would otherwise expire and stay fenced for
+    as long as the client's process lives."""
+    (key,) = keys_of(1)
+    link = CuttableLink(server.endpoint)
+    try:
+        with Client(link.url) as writer, Client(server.endpoint) as reader:
+
+            def back() -> bool:
+                with writer._lock:
+                    writer._read_link_events()
+                    return writer._dropped and not writer._unlinked
+
+            def drop() -> None:
+                link.cut()
+                wait_for(back, "the client dropped and connected again")
+
+            stall_before_copy(writer, monkeypatch, drop)
+            assert writer.store([key], [bytes([0x5A]) * CHUNK]) == 1
+            monkeypatch.undo()
+            assert read(reader, key) == bytes([0x5A]) * CHUNK
+            sessions = server.frontends[0].handlers.sessions
+            assert not any(session.writes or session.fenced for session in sessions)
+    finally:
+        link.close()

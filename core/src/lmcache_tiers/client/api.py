@@ -438,10 +438,20 @@ class Client(Connection):
             )
         except BaseException:
             with contextlib.suppress(ClientError):
+                self._greet_again_if_dropped()
                 self._call(p.StoreAbort(0, "", reserved), p.StoreReply, timeout=self._cleanup_seconds())
             raise
+        self._greet_again_if_dropped()
         done = self._call(p.StoreCommit(0, "", reserved, l1_only), p.StoreReply).done
         return sum(done)
+
+    def _greet_again_if_dropped(self) -> None:
+        """Before a commit or abort: a connection that dropped since the reservation came
+        back under a new identity, which the server ties to the reservations made under
+        the old one only once a HELLO tells it this process's pid (else they stay fenced
+        while this process lives).  ``_follow_server`` still sees the drop."""
+        if self._connection_dropped():
+            self._greet()
 
     def lookup(self, keys: Sequence[ObjectKey], timeout: float | None = None) -> int:
         """How many leading keys the server holds in L1 or L2, waiting (up to ``timeout``,
