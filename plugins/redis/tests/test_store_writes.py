@@ -57,7 +57,9 @@ def test_a_trip_is_the_hsets_redis_py_would_send_and_the_bulk_limit_answer_drops
     names = {0: b"prefix:zero", 1: b"prefix:one"}
     headers = RecordHeaders(_Context(), keys, payloads)  # type: ignore[arg-type]
     expected = b"".join(
-        pack_command(b"HSET", names[index], b"h", b"header-of-%d" % payloads[index][0], b"p", payloads[index])
+        pack_command(
+            b"HSET", names[index], b"h", b"header-of-%d" % payloads[index][0], b"p", bytes(payloads[index])
+        )
         for index in (0, 1)
     )
     theirs.sendall(b":2\r\n-ERR Protocol error: invalid bulk length\r\n")
