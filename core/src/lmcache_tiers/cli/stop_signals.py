@@ -40,11 +40,12 @@ def signalled(exc: BaseException) -> int | None:
 
 
 def _raise_stop(signum: int, _frame: Any) -> None:
-    # Unwinding takes no time before the command runs: a second signal is not let cut
-    # the one line short.
+    # A second signal takes its default action (the process ends at once), never SIG_IGN:
+    # code the first one unwinds through may swallow it (a plugin's `except BaseException`),
+    # and the command would then run on deaf to SIGTERM and Ctrl-C.
     for each in (signal.SIGTERM, signal.SIGINT):
         if signal.getsignal(each) in (_raise_stop, signal.default_int_handler):
-            signal.signal(each, signal.SIG_IGN)
+            signal.signal(each, signal.SIG_DFL)
     raise unwinding(signum)
 
 
