@@ -107,8 +107,22 @@ def test_expired_transfers_a_commit_finds_are_counted_by_the_next_sweep() -> Non
     assert pending.expire(time.monotonic()) == []
 
 
+class _FenceFreeL1:
+    """An L1 whose reservations are never fenced (no reservation here is reaped)."""
+
+    capacity_bytes = 1 << 20
+
+    def fence_writers(self, objs: list[Any]) -> list[Any]:
+        return []
+
+    def writers_done(self, objs: list[Any]) -> int:
+        return 0
+
+
 class _LosingStorage:
     """Commits nothing: L1 reaped every reservation before its commit."""
+
+    l1 = _FenceFreeL1()
 
     def commit_reserved(self, reserved: dict[Any, Any]) -> list[Any]:
         return []

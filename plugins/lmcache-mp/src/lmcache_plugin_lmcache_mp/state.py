@@ -10,7 +10,8 @@
 * **Pending transfers**: SHM reservations between ``prepare_store`` and ``commit_store``,
   read locks between ``prepare_retrieve`` and ``commit_retrieve``, per (instance, client
   connection, request, keys): a commit finishes only what its own request prepared on its
-  own connection.
+  own connection.  A store's reservation that expired stays **fenced** until that commit
+  comes (``PendingTransfers.fenced``; see ``transfers.py``).
 
 Only the front end's loop thread touches these objects, except :class:`LookupJob`'s
 ``arrived`` event and ``arrived_hits``, which the one pool thread waiting for a prefetch
@@ -38,6 +39,9 @@ MAX_MAPPING_CONNECTIONS = 64
 
 #: a client connection's ZeroMQ identity (named: Transfer has a field called ``bytes``)
 Peer = bytes
+
+#: what a commit names: (instance id, connection, request id, keys of the range)
+_Ident = tuple[int, Peer, str, tuple[ObjectKey, ...]]
 
 
 @dataclass
@@ -273,23 +277,55 @@ class Transfer:
     #: a retrieve's: its request's lookup when it was prepared, whose locks its commit
     #: consumes -- not those of a newer lookup of the request made meanwhile
     lookup: LookupJob | None = None
-
-
-_Ident = tuple[int, bytes, str, tuple[ObjectKey, ...]]
+    #: what its commit names (instance, connection, request, keys), set by ``add``
+    ident: _Ident | None = None
 
 
 class PendingTransfers:
     """Prepared transfers by (instance id, connection, request id, keys); a repeat of the
-    same prepare queues."""
+    same prepare queues.
 
-    def __init__(self) -> None:
+    With ``fence`` (shared-memory stores), a transfer found expired is also kept as
+    **fenced** until a commit names it (:meth:`take_fenced`): its client may still be
+    copying into the extents L1 reaped, which L1 holds until told it stopped
+    (``L1Manager.writers_done``)."""
+
+    def __init__(self, *, fence: bool = False) -> None:
         self._pending: dict[_Ident, deque[Transfer]] = {}
         #: expired transfers a pop found (and dropped) before a sweep did: the sweep counts them
         self._expired_since_sweep: list[Transfer] = []
+        self._fence = fence
+        #: expired transfers whose commit has not come, by what that commit names
+        self.fenced: dict[_Ident, list[Transfer]] = {}
+        #: the object bytes of the fenced transfers
+        self.fenced_bytes = 0
+
+    @staticmethod
+    def ident(instance_id: int, peer: Peer, request_id: str, keys: list[ObjectKey]) -> _Ident:
+        return (instance_id, peer, request_id, tuple(keys))
 
     def add(self, instance_id: int, keys: list[ObjectKey], transfer: Transfer) -> None:
-        ident = (instance_id, transfer.peer, transfer.request_id, tuple(keys))
+        ident = transfer.ident = self.ident(instance_id, transfer.peer, transfer.request_id, keys)
         self._pending.setdefault(ident, deque()).append(transfer)
+
+    def fence(self, transfers: list[Transfer]) -> None:
+        """Keep expired ``transfers`` fenced until their commit (see the class)."""
+        if not self._fence:
+            return
+        for transfer in transfers:
+            assert transfer.ident is not None, "fenced before it was added"
+            self.fenced.setdefault(transfer.ident, []).append(transfer)
+            self.fenced_bytes += transfer.bytes
+
+    def is_fenced(self, ident: _Ident) -> bool:
+        return ident in self.fenced
+
+    def take_fenced(self, ident: _Ident) -> list[Transfer]:
+        """The fenced transfers a commit of ``ident`` names, forgotten here: the client
+        sends its commit once its copy ended."""
+        taken = self.fenced.pop(ident, [])
+        self.fenced_bytes -= sum(transfer.bytes for transfer in taken)
+        return taken
 
     def pop(
         self, instance_id: int, request_id: str, keys: list[ObjectKey], now: float, peer: bytes = b""
@@ -306,6 +342,7 @@ class PendingTransfers:
                 found = transfer
             else:
                 self._expired_since_sweep.append(transfer)
+                self.fence([transfer])
         if queue is not None and not queue:
             del self._pending[ident]
         return found
@@ -344,7 +381,9 @@ class PendingTransfers:
         expired, self._expired_since_sweep = self._expired_since_sweep, []
         for ident, queue in list(self._pending.items()):
             live = deque(t for t in queue if t.deadline > now)
-            expired.extend(t for t in queue if t.deadline <= now)
+            newly = [t for t in queue if t.deadline <= now]
+            self.fence(newly)
+            expired.extend(newly)
             if live:
                 self._pending[ident] = live
             else:

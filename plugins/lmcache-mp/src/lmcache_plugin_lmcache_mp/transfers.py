@@ -20,6 +20,20 @@ A retrieve answers only when every chunk of its range is in L1 with this instanc
 layout, and a miss otherwise (the engine recomputes).  A store L1 cannot make room for is
 refused (counted): ``prepare_store`` answers no slots, so the client skips its gather and
 commit, and a pickled ``commit_store`` answers false; the client never waits for it.
+
+A shared-memory store's client copies into its slots itself, at any time after the
+prepare's answer.  One stalled before its copy for longer than the write TTL (and the
+lease grace) would copy into whatever object the reaped extent holds by then.  So the
+reservations are fenced (``L1Manager.fence_writers``): an expired one's extent is not
+reused until the client's ``commit_store`` of that range on that connection -- which
+LMCache's client sends once its gather into the slots has finished -- says the copy is
+over (``writers_done``).  The protocol carries no pid and ZeroMQ shows no peer process, so
+nothing else proves a client stopped: a client that never commits (it died, or its
+connection was re-established under a new identity) keeps its extents fenced until the
+server stops.  That is bounded: while this front end's fenced reservations hold
+``1/FENCED_SHARE_OF_L1`` of L1 or more, ``prepare_store`` is refused (no slots), and so
+is a prepare of a range whose expired reservation its connection has not committed yet
+(its commit would not say which copy ended).
 """
 
 from __future__ import annotations
@@ -49,6 +63,10 @@ logger = logging.getLogger(__name__)
 #: how long before its deadline the sweep gives back a retrieve's read locks (see sweep)
 READ_RELEASE_MARGIN_S = 5.0
 
+#: fenced reservations (expired, not committed) past 1/this of L1 refuse new stores: what
+#: clients that never come back keep out of L1 (the native front end's bound per client)
+FENCED_SHARE_OF_L1 = 8
+
 _MISS = PrepareRetrieveReply(success=False, data=b"", context={})
 _ALL_PRESENT: dict[str, Any] = {"slots": [], "chunk_indices": []}
 
@@ -58,7 +76,10 @@ class Transfers:
         self.shared = shared
         self.lookups = lookups
         self.storage = shared.storage
-        self.writes = PendingTransfers()
+        self.writes = PendingTransfers(fence=True)
+        #: fenced bytes (``PendingTransfers.fenced_bytes``) past which stores are refused
+        self.fenced_bytes_bound = max(1, int(self.storage.l1.capacity_bytes) // FENCED_SHARE_OF_L1)
+        self._fence_refusals = BurstLog(logger, "mp_store_refused_fenced")
         self.reads = PendingTransfers()
         self._refusals = BurstLog(logger, "mp_store_refused_l1_full")
         self._mismatches = BurstLog(logger, "mp_retrieve_layout_mismatch")
@@ -129,6 +150,8 @@ class Transfers:
             # touched: its client may be copying into it right now.
             self.storage.abort_reserved(repeated.reserved)
             self._skip_keys("repeated", len(repeated.reserved))
+        if self._refused_while_fenced(instance_id, key.request_id, keys, peer):
+            return PrepareStoreReply(context=_ALL_PRESENT)  # no slots: the client skips its copy
         size = instance.object_bytes
         try:
             # Before L1 reserves: this deadline must not outlast L1's own (taken inside),
@@ -144,6 +167,12 @@ class Transfers:
         self._count_skips(self._skips(keys, reserved))
         if not reserved:
             # Every chunk is stored or being stored (by another request): nothing to do.
+            return PrepareStoreReply(context=_ALL_PRESENT)
+        if self.storage.l1.fence_writers(list(reserved.values())):
+            # Reaped before they could be handed out (a write TTL shorter than this call):
+            # unfenced, their extents may be reused, so no slot may name them.
+            self.storage.abort_reserved(reserved)
+            self._count_expired([Transfer(list(reserved), deadline, key.request_id, reserved=reserved)], 0)
             return PrepareStoreReply(context=_ALL_PRESENT)
         layout = instance.layout
         slots, indices = [], []
@@ -164,6 +193,56 @@ class Transfers:
         )
         self.writes.add(instance_id, keys, transfer)
         return PrepareStoreReply(context={"slots": slots, "chunk_indices": indices})
+
+    def _refused_while_fenced(
+        self, instance_id: int, request_id: str, keys: list[ObjectKey], peer: bytes
+    ) -> bool:
+        """Refuse (count, log) a store while fenced reservations reach their bound, or
+        one of a range whose expired reservation its connection has not committed: that
+        commit is what lifts the fence, and with two reservations of the range it would
+        not say which copy ended."""
+        writes = self.writes
+        if writes.fenced_bytes >= self.fenced_bytes_bound:
+            why = (
+                f"expired reservations not committed yet hold {writes.fenced_bytes} bytes of L1 "
+                f"(limit {self.fenced_bytes_bound}); their clients may still be copying into them"
+            )
+        elif writes.fenced and writes.is_fenced(writes.ident(instance_id, peer, request_id, keys)):
+            why = "the connection's earlier reservation of the range expired and was not committed yet"
+        else:
+            return False
+        self.shared.stats.failure("mp_store_refused_fenced")
+        self._refuse_keys("mp_store_refused_fenced", len(keys))
+        self._fence_refusals.event(1, f"stores refused: {why}")
+        return True
+
+    def _copies_ended(
+        self,
+        instance_id: int,
+        request_id: str,
+        keys: list[ObjectKey],
+        peer: bytes,
+        uncommitted: list[Any] | None = None,
+    ) -> None:
+        """A commit of this range came on this connection: its client has stopped copying
+        into the range's reservations, so the fenced extents of those that expired go back
+        (and those of ``uncommitted``, objects of the live transfer the commit found that
+        L1 reaped first: its clock, not this front end's deadline, decides)."""
+        writes = self.writes
+        ident = writes.ident(instance_id, peer, request_id, keys)
+        fenced = writes.take_fenced(ident) if writes.fenced else []
+        objs = [obj for t in fenced for obj in t.reserved.values()]
+        objs.extend(uncommitted or ())
+        if not objs:
+            return
+        given_back = self.storage.l1.writers_done(objs)
+        if given_back:
+            logger.info(
+                "commit_store of request %s came after its reservation expired: "
+                "%d fenced L1 extents given back",
+                printable(request_id),
+                given_back,
+            )
 
     def _commit_keys(self, key: CacheKey, instance_id: int) -> tuple[Instance, list[ObjectKey] | None]:
         """A shared-memory commit's instance and keys; None for keys no prepare accepts,
@@ -188,6 +267,8 @@ class Transfers:
             else self.writes.pop(instance_id, key.request_id, keys, time.monotonic(), peer)
         )
         if pending is None:
+            if keys is not None:
+                self._copies_ended(instance_id, key.request_id, keys, peer)
             self.shared.stats.failure("mp_commit_without_reservation")
             self._orphan_commits.event(
                 1, "commit_store calls answered false: no reservation of their request (expired or none)"
@@ -198,7 +279,14 @@ class Transfers:
                 instance_id,
             )
             return False
-        stored = len(self.storage.commit_reserved(pending.reserved))
+        committed = self.storage.commit_reserved(pending.reserved)
+        stored = len(committed)
+        assert keys is not None  # a transfer was found by them
+        lost: list[Any] = []
+        if stored < len(pending.reserved):  # reaped by L1 first: fenced, and over now
+            done = set(committed)
+            lost = [obj for object_key, obj in pending.reserved.items() if object_key not in done]
+        self._copies_ended(instance_id, key.request_id, keys, peer, lost)
         # The size it was reserved with: the instance may have registered another layout since.
         self._count_store(stored, stored * (pending.bytes // len(pending.reserved)))
         self._count_lost(len(pending.reserved) - stored)
@@ -225,6 +313,8 @@ class Transfers:
         pending = self.writes.pop(instance_id, key.request_id, keys, time.monotonic(), peer)
         if pending is not None:
             self.storage.abort_reserved(pending.reserved)
+        self._copies_ended(instance_id, key.request_id, keys, peer, _objects_of(pending))
+        if pending is not None:
             self._skip_keys("repeated", len(pending.reserved))
         self._refuse_keys("shutting_down", len(keys))
 
@@ -253,6 +343,9 @@ class Transfers:
             # it is known to be alive.  On the pool, later, the write TTL may have passed
             # and the key be another writer's, freed under its copy.
             self.storage.abort_reserved(pending.reserved)
+        # Sent once the client gave up its shared-memory copy: its fences go too.
+        self._copies_ended(instance.instance_id, key.request_id, keys, peer, _objects_of(pending))
+        if pending is not None:
             self._skip_keys("repeated", len(pending.reserved))  # named again by this commit
         if self.shared.pickle is None:
             self.shared.stats.failure("mp_pickle_refused")
@@ -568,6 +661,7 @@ class Transfers:
         expired_reads = [t for t in reads if t.deadline <= now]
         writes = [t for t in writes if t.deadline > now]
         reads = [t for t in reads if t.deadline > now]
+        self.writes.fence(expired_writes)  # their clients may still be copying
         self._count_expired(expired_writes, len(expired_reads))
         for transfer in writes:
             self.storage.abort_reserved(transfer.reserved)
@@ -640,6 +734,11 @@ class Transfers:
                 "pickled prepare_retrieve calls given up at the stop (queued, or still copying at "
                 "the drain deadline): not answered, or answered a miss; their read locks given back",
             )
+
+
+def _objects_of(transfer: Transfer | None) -> list[Any]:
+    """The L1 objects a store's transfer reserved (none for None)."""
+    return [] if transfer is None else list(transfer.reserved.values())
 
 
 def _copy_chunks(
