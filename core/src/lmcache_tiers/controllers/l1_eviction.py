@@ -287,14 +287,17 @@ class L1EvictionController(ControllerThread):
             finally:
                 # Spaced out by its own cost, never run back to back (``next_sweep_at``): a
                 # reap costs what expired, which a crashed client's many locks make a lot.
-                self._next_reap = next_sweep_at(now, time.monotonic(), self.reap_interval_s)
+                # A pass stops at its budget: the rest is due as soon as its cost allows.
+                interval = 0.0 if self.l1.reap_backlog else self.reap_interval_s
+                self._next_reap = next_sweep_at(now, time.monotonic(), interval)
             if expired:
                 self.stats.fail("l1_lock_expired", expired)
 
     def next_step_in(self) -> float | None:
         # A reap due before the regular interval ends wakes the thread for it; never sooner
         # than the floor, so that a reap interval of 0 (reap at every step) is no busy loop.
-        return max(SWEEP_FLOOR_S, self._next_reap - time.monotonic())
+        floor = 0.0 if self.l1.reap_backlog else SWEEP_FLOOR_S
+        return max(floor, self._next_reap - time.monotonic())
 
     def finish(self) -> None:
         try:

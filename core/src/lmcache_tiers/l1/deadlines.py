@@ -18,12 +18,18 @@ every locked object to find the few past their deadline held every store and loo
   those locks go when the store reports, so they are looked at again each pass until then
   (as many as stores in flight).
 
+A pass takes a bounded number of these (``limit``): a client that died holding 100k locks,
+or a burst of reservations past the write TTL, made one pass hold the L1 lock 110-200 ms.
+What a pass leaves stays filed where it was -- the rest of a cell, the front of
+``writing`` -- and ``due`` says the next pass has work at once.
+
 Not thread-safe: every caller holds the L1 manager's lock.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 
 from lmcache_tiers.l1.objects import L1Object
 
@@ -50,29 +56,50 @@ class LockDeadlines:
         """``obj`` has readers' locks past their deadline that wait for its L2 store to report."""
         self._stalled.add(obj)
 
-    def reads_due(self, now: float) -> list[L1Object]:
-        """The objects filed under read cells that ended by ``now`` (taken out of them), and
-        those stalled so far: some of their locks may be due.  Each is looked at once more
-        only if it is stalled again."""
+    def reads_due(self, now: float, limit: int) -> list[L1Object]:
+        """At most ``limit`` of the objects filed under read cells that ended by ``now``
+        (taken out of them), then of those stalled so far: some of their locks may be due.
+        Each is looked at once more only if it is stalled again.  What the limit leaves
+        stays filed (a cell is dropped only once emptied) for the next pass: a client that
+        died holding 100k locks made one pass hold the L1 lock for 110-200 ms.  The cells
+        come first: objects whose stores stay slow, stalled again pass after pass, must not
+        keep the budget from the locks the reap can end."""
         due: list[L1Object] = []
         ends, cells = self._ends, self._cells
-        while ends and ends[0] <= now:
-            due.extend(cells.pop(heapq.heappop(ends)))
-        if self._stalled:
-            due.extend(self._stalled)
+        while ends and ends[0] <= now and len(due) < limit:
+            cell = cells[ends[0]]
+            room = limit - len(due)
+            if len(cell) > room:
+                due.extend(cell.pop() for _ in range(room))
+                break
+            due.extend(cell)
+            del cells[heapq.heappop(ends)]
+        stalled, room = self._stalled, limit - len(due)
+        if len(stalled) <= room:
+            due.extend(stalled)
             self._stalled = set()
+        else:
+            due.extend(stalled.pop() for _ in range(room))
         return due
 
-    def writes_due(self, now: float) -> list[L1Object]:
-        """The write reservations whose deadline is ``now`` or earlier (left in ``writing``:
-        freeing them takes them out)."""
+    def due(self, now: float) -> bool:
+        """Whether a reap at ``now`` has locks to look at, besides those stalled (which wait
+        for their stores, not for the reap)."""
+        if self._ends and self._ends[0] <= now:
+            return True
+        return any(obj.lock_deadline <= now for obj in itertools.islice(self.writing, 1))
+
+    def writes_due(self, now: float, limit: int) -> list[L1Object]:
+        """At most ``limit`` of the write reservations whose deadline is ``now`` or earlier,
+        earliest first (left in ``writing``: freeing them takes them out, and those past the
+        limit are the front of it for the next pass)."""
         if not self.writing:
             # A dict keeps the slots of the entries taken out (until it grows again) and
             # walks past them: a fresh one, once every reservation is over, walks none.
             self.writing = {}
             return []
         due: list[L1Object] = []
-        for obj in self.writing:
+        for obj in itertools.islice(self.writing, limit):
             if obj.lock_deadline > now:
                 break
             due.append(obj)

@@ -43,6 +43,8 @@ in the order they were taken.  The L1 manager's lock guards this class.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import math
 from collections.abc import Sequence
@@ -111,6 +113,13 @@ class ExtentLeases:
         # front: after a crashed client's 100k locks expired, rebuilding it on every reap
         # held the L1 lock ~18 ms per pass for the whole grace period
         self._lapsed: dict[int, float] = {}
+        # (until, tie, entry) of every quarantined extent with a finite lease end, the
+        # earliest first, so that ``reclaim`` looks at those due, not at every quarantined
+        # extent (1.2 ms with 100k after a forced clear, on every reap pass).  An entry
+        # forgotten since, or whose ``until`` moved (pushed again then), is passed over
+        # when it comes up: one look each, paid for by the hold that pushed it.
+        self._ends: list[tuple[float, int, _Held]] = []
+        self._tie = itertools.count()
         self.quarantined_bytes = 0
         self.fenced_bytes = 0
         self._fenced = 0
@@ -198,6 +207,13 @@ class ExtentLeases:
             self._fenced += 1
         if holders:
             self._held.setdefault(obj.key, []).append(entry)
+        self._end_at(entry, until)
+
+    def _end_at(self, entry: _Held, until: float) -> None:
+        """``entry`` is reclaimed at ``until`` (a fenced one never: ``writers_done`` only)."""
+        entry.until = until
+        if not entry.fenced:
+            heapq.heappush(self._ends, (until, next(self._tie), entry))
 
     def _give_back(self, offsets: list[int]) -> None:
         # The generation moves before the allocator can hand the extent out again.
@@ -248,7 +264,7 @@ class ExtentLeases:
                 if entry.obj.storing or entry.not_before > now:
                     # Its readers are done: it goes back when its store reports, and not
                     # before the grace period of the locks that expired on it ends.
-                    entry.until = entry.not_before
+                    self._end_at(entry, entry.not_before)
                     continue
                 self._forget(entry, "released")
                 freed.append(entry.obj.offset)
@@ -280,14 +296,22 @@ class ExtentLeases:
         self._give_back([entry.obj.offset for entry in done])
         return len(done)
 
-    def reclaim(self, now: float) -> int:
-        """Free quarantined extents whose lease has ended; returns how many."""
+    def reclaim(self, now: float, budget: int | None = None) -> int:
+        """Free quarantined extents whose lease has ended, looking at ``budget`` of them at
+        most (all when None); returns how many were freed.  What the budget leaves is due
+        at the next call (``reclaim_due``).  Each extent is settled on its own: freed
+        (generation moved, then back to the allocator) or still held, never in between."""
         if self._lapsed:
-            self._prune_lapsed(now)
-        due: list[_Held] = []
-        for entry in self._by_offset.values():
-            if entry.until > now:
-                continue
+            self._prune_lapsed(now, budget)
+        ends, by_offset = self._ends, self._by_offset
+        looks = len(ends) if budget is None else budget
+        # An entry pushed again at the same end comes up twice: a dict takes it once.
+        due: dict[_Held, None] = {}
+        while ends and ends[0][0] <= now and looks > 0:
+            looks -= 1
+            until, _, entry = heapq.heappop(ends)
+            if by_offset.get(entry.obj.offset) is not entry or entry.until != until:
+                continue  # given back already, or its lease end moved (pushed again)
             if entry.holders:
                 entries = self._held[entry.obj.key]
                 entries.remove(entry)
@@ -295,9 +319,10 @@ class ExtentLeases:
                     del self._held[entry.obj.key]
                 entry.holders = 0
             if entry.obj.storing:
-                entry.until = 0.0  # its lease is over: it goes back when its store reports
+                # Its lease is over: it goes back when its store reports (``store_done``).
+                entry.until = 0.0
             else:
-                due.append(entry)
+                due[entry] = None
         for entry in due:
             self._forget(entry, "lease_end")
         if due:
@@ -309,13 +334,20 @@ class ExtentLeases:
         self._give_back([entry.obj.offset for entry in due])
         return len(due)
 
-    def _prune_lapsed(self, now: float) -> None:
-        """Forget the grace periods over by ``now``: those at the front of ``_lapsed``.  (An
-        entry past its end and left behind a later one, were ``now`` ever to go back, is
-        only kept longer: every use compares it with the time.)"""
+    def reclaim_due(self, now: float) -> bool:
+        """Whether a :meth:`reclaim` at ``now`` has leases or grace periods to end."""
+        if self._ends and self._ends[0][0] <= now:
+            return True
+        return any(until <= now for until in itertools.islice(self._lapsed.values(), 1))
+
+    def _prune_lapsed(self, now: float, budget: int | None) -> None:
+        """Forget the grace periods over by ``now`` (``budget`` of them at most): those at
+        the front of ``_lapsed``.  (An entry past its end and left behind a later one, were
+        ``now`` ever to go back or the budget to stop short of it, is only kept longer:
+        every use compares it with the time.)"""
         lapsed = self._lapsed
         over: list[int] = []
-        for offset, until in lapsed.items():
+        for offset, until in itertools.islice(lapsed.items(), budget):
             if until > now:
                 break
             over.append(offset)
@@ -381,6 +413,7 @@ class ExtentLeases:
         self._by_offset.clear()
         self._held.clear()
         self._lapsed.clear()
+        self._ends.clear()
         self.quarantined_bytes = 0
         self.fenced_bytes = 0
         self._fenced = 0

@@ -62,7 +62,7 @@ from lmcache_tiers.l1.loan import L1Loan
 from lmcache_tiers.l1.nvme import NvmeL1File
 from lmcache_tiers.l1.objects import Eviction, L1Listener, L1Object, L1Stats, ObjectState
 from lmcache_tiers.l1.reads import LOCK_GRID_STEPS, ReadLocks, read_lock_deadline
-from lmcache_tiers.l1.removal import Removal
+from lmcache_tiers.l1.removal import REAP_BATCH, Removal
 from lmcache_tiers.l1.table import L1Listeners, ObjectTable, check_lock_count
 from lmcache_tiers.l1.writes import SkippedWrites, WriteReservations
 from lmcache_tiers.tmpfs import SHM_DIR
@@ -502,7 +502,7 @@ class L1Manager:
         keys returned: each unlock of an object set aside records it (a set probe)."""
         return self._removal.take_unlocked_set_aside()
 
-    def expire_locks(self, now: float | None = None) -> int:
+    def expire_locks(self, now: float | None = None, budget: int = REAP_BATCH) -> int:
         """Reap locks past their TTL, as if their crashed holders had released them.
 
         An expired write reservation is freed; expired read locks are dropped, each at its
@@ -510,8 +510,15 @@ class L1Manager:
         extent is not reused for the lease grace period, in case its holder is only slow;
         quarantined extents whose lease has ended are reclaimed. Returns the number of
         objects some of whose locks expired. ``now`` is a ``time.monotonic()`` value.
+        One call looks at ``budget`` objects at most (a short hold of the L1 lock): while
+        :attr:`reap_backlog` says more are due, call again.
         """
-        return self._removal.expire_locks(time.monotonic() if now is None else now)
+        return self._removal.expire_locks(time.monotonic() if now is None else now, budget)
+
+    @property
+    def reap_backlog(self) -> bool:
+        """Whether the last :meth:`expire_locks` stopped at its budget with locks still due."""
+        return self._removal.reap_backlog
 
     def clear(self, *, force: bool = False, cleared_unstored: list[L1Object] | None = None) -> int:
         """Delete every object in L1 when the call begins (unlocked ones only unless
