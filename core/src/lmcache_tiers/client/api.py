@@ -449,9 +449,8 @@ class Client(Connection):
         """Before a commit or abort: a connection that dropped since the reservation came
         back under a new identity, which the server ties to the reservations made under
         the old one only once a HELLO tells it this process's pid (else they stay fenced
-        while this process lives).  ``_follow_server`` still sees the drop."""
-        if self._connection_dropped():
-            self._greet()
+        while this process lives)."""
+        self._follow_server()
 
     def lookup(self, keys: Sequence[ObjectKey], timeout: float | None = None) -> int:
         """How many leading keys the server holds in L1 or L2, waiting (up to ``timeout``,
