@@ -29,3 +29,8 @@ def keys_accounted(server: TiersServer) -> int:
     return (
         stats.store_chunks + sum(stats.store_keys_skipped.values()) + sum(stats.store_keys_refused.values())
     )
+
+
+def leases_of(server: TiersServer) -> dict[str, int]:
+    """L1's lease and quarantine counters (``/status``'s ``l1.leases``)."""
+    return dict(server.storage_status()["l1"]["leases"])

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from native_keys import keys_of
+from native_keys import keys_of, leases_of
 
 from lmcache_tiers.client import Client, StaleReadError
 from lmcache_tiers.keys import ObjectKey
@@ -27,10 +27,6 @@ CHUNK = 256 << 10
 
 def blobs(count: int, fill: int) -> list[bytes]:
     return [bytes([fill]) * CHUNK for _ in range(count)]
-
-
-def leases(server: TiersServer) -> dict[str, int]:
-    return dict(server.storage_status()["l1"]["leases"])
 
 
 def outlive_lease(
@@ -76,9 +72,9 @@ def test_a_forced_clear_does_not_change_bytes_under_a_reader(server: TiersServer
             intruders = blobs(8, 0xEE)
             assert other.store(keys_of(8), intruders) == 8  # into free memory, not the reader's
             assert [bytes(view) for view in views] == data
-            assert leases(server)["quarantined_extents"] == 8
+            assert leases_of(server)["quarantined_extents"] == 8
         # the reader's release gave the extents back at once
-        held = leases(server)
+        held = leases_of(server)
         assert (held["quarantined_extents"], held["quarantined_forced"], held["reclaimed_released"]) == (
             0,
             8,
@@ -97,7 +93,7 @@ def test_a_reader_that_outlives_its_lease_is_told(server: TiersServer) -> None:
             assert bytes(views[0]) != data[0]  # what the views show is someone else's now
         assert stale.value.keys == keys
         assert "retrieve them again" in str(stale.value)
-        assert leases(server)["reclaimed_lease_end"] == 6
+        assert leases_of(server)["reclaimed_lease_end"] == 6
 
 
 def test_a_reader_inside_the_grace_period_keeps_its_bytes(server: TiersServer) -> None:
@@ -110,7 +106,7 @@ def test_a_reader_inside_the_grace_period_keeps_its_bytes(server: TiersServer) -
             assert other.clear() == 4
             assert other.store(keys_of(4), blobs(4, 0x44)) == 4
             assert [bytes(view) for view in views] == data
-        assert leases(server)["quarantined_expired"] == 4
+        assert leases_of(server)["quarantined_expired"] == 4
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import pytest
 from lmcache_plugin_frontend_native import writers
-from native_keys import keys_of, stats_of
+from native_keys import keys_of, leases_of, stats_of
+from native_stop import wait_for
 
 from lmcache_tiers.client import Client, ServerError
 from lmcache_tiers.keys import ObjectKey
@@ -30,10 +31,6 @@ from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.wire import protocol as p
 
 CHUNK = 256 << 10
-
-
-def leases(server: TiersServer) -> dict[str, int]:
-    return dict(server.storage_status()["l1"]["leases"])
 
 
 def read(client: Client, key: ObjectKey) -> bytes:
@@ -49,13 +46,6 @@ def outlive_write_ttl(server: TiersServer) -> None:
     expiry = time.monotonic() + l1.write_ttl_s + 1
     l1.expire_locks(expiry)
     l1.expire_locks(expiry + l1.lease_grace_s + 1)
-
-
-def wait_for(condition: Any, what: str, within_s: float = 30.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not condition():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.05)
 
 
 def stall_before_copy(client: Client, monkeypatch: pytest.MonkeyPatch, stall: Any) -> None:
@@ -90,7 +80,7 @@ def test_a_copy_after_the_reservation_expired_never_lands_in_another_object(
         assert read(other, victim_key) == bytes([0x11]) * CHUNK
         assert stats_of(server).store_keys_refused["reservation_lost"] == 1
         # The commit said the copy was over: the fenced extent went back.
-        held = leases(server)
+        held = leases_of(server)
         assert held["quarantined_fenced"] == held["reclaimed_writer_done"] == 1
         assert held["fenced_extents"] == held["fenced_bytes"] == 0
         # and the client stores the key again as usual
@@ -106,12 +96,12 @@ def test_a_client_that_never_says_its_copy_ended_keeps_its_extent_out_of_reach(s
         outlive_write_ttl(server)
         server.storage.l1.expire_locks(time.monotonic() + 10 * server.storage.l1.write_ttl_s)
         assert other.store([victim_key], [bytes([0x11]) * CHUNK]) == 1
-        assert leases(server)["fenced_extents"] == 1
+        assert leases_of(server)["fenced_extents"] == 1
         victim = server.storage.l1.get(victim_key)
         assert victim is not None and victim.offset != slot.offset
         # Its abort is the word that the copy is over.
         assert writer._call(p.StoreAbort(0, "", [stalled_key]), p.StoreReply).done == [True]
-        assert leases(server)["fenced_extents"] == 0
+        assert leases_of(server)["fenced_extents"] == 0
 
 
 #: a write TTL short enough for the server's own sweep and reap to expire a reservation
@@ -121,7 +111,7 @@ SHORT_TTL = {"l1_write_ttl_s": 1.0, "l1_lock_ttl_s": 1.0}
 def fenced_by_its_session(server: TiersServer) -> bool:
     """L1 fenced the reservation, and the front end's sweep put it with its client's."""
     sessions = server.frontends[0].handlers.sessions
-    return leases(server)["fenced_extents"] == 1 and any(session.fenced for session in sessions)
+    return leases_of(server)["fenced_extents"] == 1 and any(session.fenced for session in sessions)
 
 
 def test_a_client_is_refused_new_stores_past_its_fenced_bound(make_server: Any) -> None:
@@ -137,7 +127,7 @@ def test_a_client_is_refused_new_stores_past_its_fenced_bound(make_server: Any) 
         assert stats_of(server).store_keys_refused["out_of_memory"] == 1
         # once it aborts the expired reservation, it stores again
         assert writer._call(p.StoreAbort(0, "", [stalled_key]), p.StoreReply).done == [False]
-        assert leases(server)["fenced_extents"] == 0
+        assert leases_of(server)["fenced_extents"] == 0
         assert writer.store([next_key], [bytes(CHUNK)]) == 1
 
 
@@ -181,15 +171,15 @@ def test_the_fence_of_a_client_whose_process_exited_is_lifted(make_server: Any) 
     try:
         assert writer.stdout is not None
         assert int(writer.stdout.readline()) >= 0
-        wait_for(lambda: leases(server)["fenced_extents"] == 1, "the expired reservation fenced")
+        wait_for(lambda: leases_of(server)["fenced_extents"] == 1, "the expired reservation fenced")
         # Alive, it keeps the fence whatever the time (no commit, no abort, no exit).
         server.storage.l1.expire_locks(time.monotonic() + 3600.0)
-        assert leases(server)["fenced_extents"] == 1
+        assert leases_of(server)["fenced_extents"] == 1
     finally:
         writer.kill()
         writer.wait()
-    wait_for(lambda: leases(server)["fenced_extents"] == 0, "the fence of the exited client lifted")
-    assert leases(server)["reclaimed_writer_done"] == 1
+    wait_for(lambda: leases_of(server)["fenced_extents"] == 0, "the fence of the exited client lifted")
+    assert leases_of(server)["reclaimed_writer_done"] == 1
 
 
 def reserve_and_outlive(server: TiersServer, writer: Client, key: ObjectKey) -> None:
@@ -206,10 +196,10 @@ def test_a_client_back_under_a_new_identity_lifts_the_fence_of_its_earlier_one(m
     with Client(server.endpoint) as before_the_drop, Client(server.endpoint) as after_the_drop:
         reserve_and_outlive(server, before_the_drop, aborted)
         assert after_the_drop._call(p.StoreAbort(0, "", [aborted]), p.StoreReply).done == [False]
-        assert leases(server)["fenced_extents"] == 0
+        assert leases_of(server)["fenced_extents"] == 0
         reserve_and_outlive(server, before_the_drop, committed)
         assert after_the_drop._call(p.StoreCommit(0, "", [committed]), p.StoreReply).done == [False]
-        held = leases(server)
+        held = leases_of(server)
         assert held["fenced_extents"] == 0
         assert held["quarantined_fenced"] == held["reclaimed_writer_done"] == 2
 
@@ -232,7 +222,7 @@ def test_a_client_storing_the_key_itself_leaves_the_fence_of_another_in_place(ma
     with Client(server.endpoint) as stalled, Client(server.endpoint) as other:
         reserve_and_outlive(server, stalled, key)
         assert other.store([key], [bytes(CHUNK)]) == 1
-        assert leases(server)["fenced_extents"] == 1
+        assert leases_of(server)["fenced_extents"] == 1
 
 
 def test_the_pid_of_a_client_holding_reservations_outlasts_later_hellos(
