@@ -47,6 +47,7 @@ def run_script(name: str, *args: str, timeout: float = 120) -> subprocess.Comple
         ("bench_leases.py", ["--repeats", "0"], "0 is not >= 1"),
         ("bench_leases.py", ["--reap-locked", "1000,abc"], "'abc' is not a whole number"),
         ("bench_leases.py", ["--reap-locked", "0"], "0 is not >= 1"),
+        ("bench_leases.py", ["--mass-expiry", "0"], "0 is not >= 1"),
         ("bench_record_decode.py", ["--count", "0"], "0 is not >= 1"),
     ],
 )
