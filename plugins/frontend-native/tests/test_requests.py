@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from native_clients import OtherProcessClient
 from native_keys import keys_of
 
 from lmcache_tiers.client import Client, ClientError, ProtocolError, RequestTimeoutError, ServerError
@@ -174,18 +175,11 @@ def test_a_store_larger_than_l1_is_refused_whole(server: TiersServer) -> None:
     assert (l1(server)["objects"], l1(server)["write_locked"]) == (0, 0)
 
 
-class _OtherProcessClient(Client):
-    """Says HELLO with another process's pid (init's, which maps no arena)."""
-
-    def _greet(self) -> p.HelloReply:
-        return self._call(p.Hello(0, self._token, p.PROTOCOL_VERSION, self._name, 1), p.HelloReply)
-
-
 def test_commit_and_abort_touch_only_the_callers_reservations(server: TiersServer) -> None:
     """Those of another process: a client of the same one names, after its connection
     dropped, those it made under its earlier identity (test_write_fence.py)."""
     keys = keys_of(2)
-    with Client(server.endpoint) as owner, _OtherProcessClient(server.endpoint) as stranger:
+    with Client(server.endpoint) as owner, OtherProcessClient(server.endpoint) as stranger:
         slots = owner._call(p.StoreReserve(0, "", keys, [100, 100]), p.StoreReserveReply).slots
         assert all(slot.offset >= 0 for slot in slots)
         assert stranger._call(p.StoreCommit(0, "", keys), p.StoreReply).done == [False, False]
