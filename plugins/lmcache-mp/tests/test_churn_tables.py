@@ -67,6 +67,10 @@ def test_churned_connections_leave_the_tables_empty_after_the_ttls(make_mp_serve
         worker_reap_timeout_s=TTL_S,
         worker_registration_grace_s=TTL_S,
         l1_lock_ttl_s=TTL_S,
+        # a reaped instance's stores are left to the write TTL (a silent client may be
+        # stalled before its copy); longer than the lock TTL, so the stores that commit
+        # are not lost on a loaded machine
+        l1_write_ttl_s=5 * TTL_S,
     )
     url = mp_address(server)
     for index in range(CONNECTIONS):

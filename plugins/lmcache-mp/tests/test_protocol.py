@@ -409,7 +409,8 @@ def test_silent_instances_are_reaped(make_mp_server: Any) -> None:
         while server.frontends[0].status()["instances"]:
             assert time.monotonic() < deadline, "the instance was never reaped"
             time.sleep(0.1)
-        assert l1(server)["write_locked"] == 0
+        # A silent client may be stalled before its copy: its reservation is left to the TTL.
+        assert l1(server)["write_locked"] == 4
         assert mp_stats(server).failures["mp_instance_reaped"] == 1
 
 

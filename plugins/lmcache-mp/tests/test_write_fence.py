@@ -144,3 +144,22 @@ def test_a_range_whose_expired_reservation_is_outstanding_is_not_reserved_again_
         # Other connections are not held up by it.
         assert other.store(one_chunk(1, "other"), OTHER.instance_id, [bytes(SIZE)], shm)
         assert leases(server)["fenced_extents"] == 1
+
+
+def test_the_reservations_of_a_reaped_instance_are_not_handed_to_other_chunks(make_mp_server: Any) -> None:
+    """A client stalled before its copy is silent: reaped, its instance's reservations
+    used to be aborted, their extents free for the next store under its late copy."""
+    server = make_mp_server(l1_size_gb=SMALL_L1_GB, worker_registration_grace_s=0.3)
+    frontend: Any = server.frontends[0]
+    with MPClient(mp_address(server)) as writer, MPClient(mp_address(server)) as other:
+        shm = writer.register(WRITER)["shm_name"]
+        other.register(OTHER)
+        assert other.call("ping", OTHER.instance_id) is True  # a pinged instance has 120 s
+        (slot,) = prepare(writer, one_chunk(1, "stalled"))
+        wait_for(lambda: WRITER.instance_id not in frontend.shared.instances, "the silent instance reaped")
+        assert other.store(one_chunk(2, "victim"), OTHER.instance_id, [b"\x11" * SIZE], shm)
+        writer.segment(shm)[slot["offset"] : slot["offset"] + slot["length"]] = b"\xee" * SIZE
+        assert other.retrieve(one_chunk(2, "victim-read"), OTHER.instance_id, shm) == [b"\x11" * SIZE]
+        # left to the write TTL, then fenced as any reservation never committed
+        outlive_write_ttl(server)
+        assert leases(server)["fenced_extents"] == 1

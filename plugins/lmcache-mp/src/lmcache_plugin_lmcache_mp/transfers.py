@@ -644,9 +644,13 @@ class Transfers:
         With ``peer`` (the client's own unregister), only that connection's: another
         process sending the same instance id may still be copying into its reserved slots
         or out of its read-locked ones, and freed, those extents could change hands under
-        its copy.  Its transfers go at their deadlines, counted as expired."""
+        its copy.  Its transfers go at their deadlines, counted as expired.
+
+        Without ``peer`` (the instance reaped for its silence) its reservations are left to
+        their deadline too: a silent client may be one stalled before its copy.  They
+        expire, and are fenced, as any reservation never committed."""
         return self._give_back(
-            self.writes.pop_instance(instance_id, peer),
+            self.writes.pop_instance(instance_id, peer) if peer is not None else [],
             self.reads.pop_instance(instance_id, peer),
             "unregistered",
         )
