@@ -163,3 +163,29 @@ def test_the_reservations_of_a_reaped_instance_are_not_handed_to_other_chunks(ma
         # left to the write TTL, then fenced as any reservation never committed
         outlive_write_ttl(server)
         assert leases(server)["fenced_extents"] == 1
+
+
+def test_an_unregister_by_its_connection_lifts_the_fence(make_mp_server: Any) -> None:
+    """LMCache's client unregisters once it has drained its gathers and commits."""
+    server = make_mp_server(l1_size_gb=SMALL_L1_GB)
+    with MPClient(mp_address(server)) as writer:
+        writer.register(WRITER)
+        prepare(writer, one_chunk(1, "stalled"))
+        outlive_write_ttl(server)
+        assert leases(server)["fenced_extents"] == 1
+        assert writer.call("unregister_kv_cache_engine_driven_context", WRITER.instance_id) is None
+        held = leases(server)
+        assert held["fenced_extents"] == 0
+        assert held["reclaimed_writer_done"] == 1
+
+
+def test_an_unregister_gives_back_the_fences_the_front_end_holds(make_mp_server: Any) -> None:
+    server = make_mp_server(**SHORT_TTL)
+    with MPClient(mp_address(server)) as writer:
+        writer.register(WRITER)
+        prepare(writer, one_chunk(1, "stalled"))
+        wait_for(lambda: fenced_by_the_front_end(server), "the expired reservation fenced")
+        writer.call("unregister_kv_cache_engine_driven_context", WRITER.instance_id)
+        assert leases(server)["fenced_extents"] == 0
+        writes = transfers_of(server).writes
+        assert not writes.fenced and writes.fenced_bytes == 0

@@ -266,12 +266,13 @@ class Handlers:
                 "registration goes when it falls silent)",
             )
             return None
-        self._drop(instance_id, peer)
+        self._drop(instance_id, peer, copies_ended=True)
         return None
 
-    def _drop(self, instance_id: int, peer: bytes | None = None) -> None:
+    def _drop(self, instance_id: int, peer: bytes | None = None, *, copies_ended: bool = False) -> None:
         """Forget an instance and give back what its transfers hold (with ``peer``, only
-        the transfers of that connection: see ``Transfers.drop_instance``)."""
+        the transfers of that connection; ``copies_ended``, its unregister: see
+        ``Transfers.drop_instance``)."""
         instance = self.shared.instances.pop(instance_id, None)
         if instance is None:
             # Answered void, as by LMCache's server, but counted: a client unregistering
@@ -284,7 +285,7 @@ class Handlers:
                 instance_id,
             )
             return
-        locks, reservations = self.transfers.drop_instance(instance_id, peer)
+        locks, reservations = self.transfers.drop_instance(instance_id, peer, copies_ended=copies_ended)
         logger.info(
             "unregistered instance %d (%d read locks released, %d unfinished stores aborted)",
             instance_id,

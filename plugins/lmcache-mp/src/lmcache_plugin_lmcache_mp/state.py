@@ -320,6 +320,12 @@ class PendingTransfers:
     def is_fenced(self, ident: _Ident) -> bool:
         return ident in self.fenced
 
+    def take_fenced_of(self, instance_id: int, peer: Peer) -> list[Transfer]:
+        """The fenced transfers of an instance prepared on connection ``peer``, forgotten
+        here (its unregister: the client has stopped copying)."""
+        idents = [ident for ident in self.fenced if ident[0] == instance_id and ident[1] == peer]
+        return [transfer for ident in idents for transfer in self.take_fenced(ident)]
+
     def take_fenced(self, ident: _Ident) -> list[Transfer]:
         """The fenced transfers a commit of ``ident`` names, forgotten here: the client
         sends its commit once its copy ended."""

@@ -26,14 +26,15 @@ prepare's answer.  One stalled before its copy for longer than the write TTL (an
 lease grace) would copy into whatever object the reaped extent holds by then.  So the
 reservations are fenced (``L1Manager.fence_writers``): an expired one's extent is not
 reused until the client's ``commit_store`` of that range on that connection -- which
-LMCache's client sends once its gather into the slots has finished -- says the copy is
-over (``writers_done``).  The protocol carries no pid and ZeroMQ shows no peer process, so
-nothing else proves a client stopped: a client that never commits (it died, or its
-connection was re-established under a new identity) keeps its extents fenced until the
-server stops.  That is bounded: while this front end's fenced reservations hold
-``1/FENCED_SHARE_OF_L1`` of L1 or more, ``prepare_store`` is refused (no slots), and so
-is a prepare of a range whose expired reservation its connection has not committed yet
-(its commit would not say which copy ended).
+LMCache's client sends once its gather into the slots has finished -- or its unregister
+of the instance on that connection says the copy is over (``writers_done``).  The
+protocol carries no pid and ZeroMQ shows no peer process, so nothing else proves a
+client stopped: a client that never commits (it died, or its connection was
+re-established under a new identity) keeps its extents fenced until the server stops.
+That is bounded: while this front end's fenced reservations hold ``1/FENCED_SHARE_OF_L1``
+of L1 or more, ``prepare_store`` is refused (no slots), and so is a prepare of a range
+whose expired reservation its connection has not committed yet (its commit would not
+say which copy ended).
 """
 
 from __future__ import annotations
@@ -637,7 +638,9 @@ class Transfers:
 
     # -- instances and maintenance ---------------------------------------------------------
 
-    def drop_instance(self, instance_id: int, peer: bytes | None = None) -> tuple[int, int]:
+    def drop_instance(
+        self, instance_id: int, peer: bytes | None = None, *, copies_ended: bool = False
+    ) -> tuple[int, int]:
         """Give back an instance's unfinished transfers: reservations aborted (never made
         visible half-written), read locks released.  Returns (locks, reservations).
 
@@ -648,12 +651,28 @@ class Transfers:
 
         Without ``peer`` (the instance reaped for its silence) its reservations are left to
         their deadline too: a silent client may be one stalled before its copy.  They
-        expire, and are fenced, as any reservation never committed."""
-        return self._give_back(
-            self.writes.pop_instance(instance_id, peer) if peer is not None else [],
-            self.reads.pop_instance(instance_id, peer),
-            "unregistered",
-        )
+        expire, and are fenced, as any reservation never committed.
+
+        ``copies_ended`` (an unregister): the connection has stopped copying into the
+        instance's reservations -- LMCache's client unregisters once it has drained its
+        gathers and commits -- so their fenced extents go back too."""
+        writes = self.writes.pop_instance(instance_id, peer) if peer is not None else []
+        counts = self._give_back(writes, self.reads.pop_instance(instance_id, peer), "unregistered")
+        if not (copies_ended and peer is not None):
+            return counts
+        # Those that expired, fenced here (some just now), and the live ones aborted: L1's
+        # clock, not this front end's deadline, decides whether it reaped and fenced them.
+        fenced = self.writes.take_fenced_of(instance_id, peer)
+        ended = {id(obj): obj for t in (*fenced, *writes) for obj in t.reserved.values()}
+        given_back = self.storage.l1.writers_done(list(ended.values())) if ended else 0
+        if given_back:
+            logger.info(
+                "instance %d unregistered by its connection: %d fenced L1 extents of its expired "
+                "reservations given back",
+                instance_id,
+                given_back,
+            )
+        return counts
 
     def _give_back(self, writes: list[Transfer], reads: list[Transfer], why: str) -> tuple[int, int]:
         """Abort ``writes`` and release ``reads``; the keys of the reservations aborted are
