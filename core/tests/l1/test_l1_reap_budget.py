@@ -173,3 +173,20 @@ def test_leases_ending_at_once_are_reclaimed_over_bounded_passes(l1: L1Manager) 
         if not l1.reap_backlog:
             break
     assert reclaimed == MASS and not held and steps > 1
+
+
+def test_reservations_expiring_pass_after_pass_leave_a_share_to_read_locks(l1: L1Manager) -> None:
+    """Writes come first in a pass: a budget's worth of reservations expiring before every
+    pass took it all, and a dead reader's expired lock was never looked at."""
+    (dead_reader,) = store(l1, 1, 1, fill=0x33)
+    l1.reserve_read([dead_reader.key])
+    later = dead_reader.lock_deadline + TTL  # every reservation made below is due by then
+    reaped = 0
+    for step in range(MASS // BUDGET):
+        l1.reserve_write(keys(200 + step, BUDGET), [ALIGN] * BUDGET)  # writers that die
+        reaped += l1.expire_locks(later, budget=BUDGET)
+    assert dead_reader.read_locks == 0 and l1.stats().read_locks == 0
+    # Nothing is counted twice or lost: the reservations still due are those left filed.
+    while l1.reap_backlog:
+        reaped += l1.expire_locks(later, budget=BUDGET)
+    assert reaped == 1 + MASS and l1.stats().write_locked == 0

@@ -82,10 +82,15 @@ class LockDeadlines:
             due.extend(stalled.pop() for _ in range(room))
         return due
 
+    def reads_waiting(self, now: float) -> bool:
+        """Whether a read cell ended by ``now`` is still filed (objects the reap has yet to
+        look at)."""
+        return bool(self._ends) and self._ends[0] <= now
+
     def due(self, now: float) -> bool:
         """Whether a reap at ``now`` has locks to look at, besides those stalled (which wait
         for their stores, not for the reap)."""
-        if self._ends and self._ends[0] <= now:
+        if self.reads_waiting(now):
             return True
         return any(obj.lock_deadline <= now for obj in itertools.islice(self.writing, 1))
 
