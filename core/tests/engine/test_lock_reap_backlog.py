@@ -9,16 +9,12 @@ the test alone, and a pass costs no time on it: the passes must come without it 
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Iterator
 
 import pytest
-from l2_backends import Fifo
+from stepped_reaper import SteppedClock, stepped_reaper
 
-from lmcache_tiers.controllers import l1_eviction
 from lmcache_tiers.controllers.l1_eviction import L1EvictionController
-from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager
 from lmcache_tiers.l1.removal import REAP_BATCH
@@ -29,27 +25,13 @@ TTL_S = 60.0
 MASS = 2 * REAP_BATCH + 1  # three passes
 
 
-class SteppedClock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def monotonic(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def stepped(
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[tuple[L1Manager, L1EvictionController, SteppedClock]]:
     l1 = L1Manager(2 * MASS * ALIGN, align=ALIGN, prefault=False, lock_ttl_s=TTL_S, write_ttl_s=TTL_S)
-    clock = SteppedClock(float(math.ceil(time.monotonic())))
-    monkeypatch.setattr(l1_eviction, "time", clock)
-    controller = L1EvictionController(
-        l1, Fifo(), trigger_watermark=0.99, eviction_ratio=0.1, stats=EngineStats(0)
-    )
-    yield l1, controller, clock
-    controller.finish()
-    l1.close()
+    with stepped_reaper(monkeypatch, l1) as reaper:
+        yield reaper
 
 
 def test_the_passes_after_one_that_stopped_at_its_budget_come_at_once(stepped) -> None:

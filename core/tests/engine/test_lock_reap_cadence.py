@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterator
 
 import pytest
 from engine_support import keys_of, store
-from l2_backends import Fifo
+from stepped_reaper import SteppedClock, stepped_reaper
 
-from lmcache_tiers.controllers import l1_eviction
 from lmcache_tiers.controllers.l1_eviction import L1EvictionController
-from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.l1 import L1Manager
 from lmcache_tiers.sweep_cadence import (
     SWEEP_COST_FACTOR,
@@ -55,33 +52,15 @@ def test_the_reap_interval_follows_the_l1_ttls(engine) -> None:
     assert default.l1_eviction.reap_interval_s == 5.0, "the default TTLs: every 5 s, as before"
 
 
-class SteppedClock:
-    """The eviction controller's monotonic clock, moved by the test alone: when a reap runs
-    is then decided by the controller's schedule, never by how busy the machine is."""
-
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def monotonic(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def stepped(
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[tuple[L1Manager, L1EvictionController, SteppedClock]]:
     """An L1 with lock and write TTLs of ``TTL_S`` and its eviction controller, driven by
-    hand (no thread) on a stepped clock.  The clock starts on a whole second, so that the
-    reaps, a quarter second apart, fall exactly on its steps."""
+    hand on a stepped clock, the reaps a quarter second apart."""
     l1 = L1Manager(BLOCKS * SIZE, align=SIZE, prefault=False, lock_ttl_s=TTL_S, write_ttl_s=TTL_S)
-    clock = SteppedClock(float(math.ceil(time.monotonic())))
-    monkeypatch.setattr(l1_eviction, "time", clock)
-    controller = L1EvictionController(
-        l1, Fifo(), trigger_watermark=0.99, eviction_ratio=0.1, stats=EngineStats(0)
-    )
-    yield l1, controller, clock
-    controller.finish()
-    l1.close()
+    with stepped_reaper(monkeypatch, l1) as reaper:
+        yield reaper
 
 
 def next_wake_up(controller: L1EvictionController, clock: SteppedClock) -> float:
