@@ -79,3 +79,62 @@ def test_a_signal_after_a_swallowed_one_still_ends_the_command(tmp_path: Path, s
     finally:
         process.kill()
     assert process.returncode == -second, err
+
+
+#: ``serve`` on an ipc socket whose server stops itself once ready (SIGTERM to its own
+#: process), then leaves a thread stuck in a call behind: leaving the process, it creates
+#: MARKER and lingers for that thread
+_STOPPED_SERVE = """
+import os, pathlib, signal, sys, threading
+marker = sys.argv[1]
+del sys.argv[1]
+import lmcache_tiers.server.app as app
+import lmcache_tiers.server.leave as leave
+
+run_server, leave_past_stuck_threads = app.run_server, leave.leave_past_stuck_threads
+
+def stopping_once_ready(config, **kwargs):
+    ready = threading.Event()
+
+    def stop():
+        ready.wait()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop, daemon=True).start()
+    return run_server(config, **{**kwargs, "ready": ready})
+
+def lingering(code, linger_s=leave.LINGER_S):
+    threading.Thread(target=threading.Event().wait, name="stuck-in-a-call").start()
+    pathlib.Path(marker).touch()
+    leave_past_stuck_threads(code, linger_s=3600)
+
+app.run_server, leave.leave_past_stuck_threads = stopping_once_ready, lingering
+from lmcache_tiers.cli.main import main
+sys.argv[0] = "lmcache-tiers"
+main(sys.argv[1:])
+"""
+
+
+def test_sigterm_as_serve_lingers_for_stuck_threads_ends_it(tmp_path: Path) -> None:
+    """serve's stop handling put back the entry point's SIGTERM handler when the server
+    stopped: a SIGTERM while the process lingered for threads stuck in calls raised
+    there, unwound past the exit that leaves them behind, and said the signal came "as the
+    command started" (exit 143) about a server that had served and stopped."""
+    marker = tmp_path / "lingering"
+    args = ["serve", "--no-default-l2", "--l1-size-gb", "0.01", "--disable-metrics"]
+    args += ["--host", f"ipc://{tmp_path / 'rpc.sock'}"]
+    process = subprocess.Popen(
+        [sys.executable, "-c", _STOPPED_SERVE, str(marker), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=stop_signals_at_default(),
+    )
+    try:
+        _wait_for(marker, process)
+        process.send_signal(signal.SIGTERM)
+        _out, err = process.communicate(timeout=HOLD_S)
+    finally:
+        process.kill()
+    assert process.returncode == -signal.SIGTERM, err
+    assert "as the command started" not in err

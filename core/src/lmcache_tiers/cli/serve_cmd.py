@@ -21,6 +21,7 @@ from rich.markup import escape
 
 from lmcache_tiers.cli import lmcache_flags as compat
 from lmcache_tiers.cli.output import fail, warn
+from lmcache_tiers.cli.stop_signals import handed_over
 from lmcache_tiers.config import (
     ServerConfig,
     build_config,
@@ -506,6 +507,7 @@ def run_serve(
         shown = redact_secrets(config_to_builtins(resolved))
         typer.echo(json.dumps(shown, indent=2))
         return
+    handed_over()  # the server's own stop handling, start-up included, from here on
     code = run_server(
         resolved, registry=plugin_set.registry, name_setting=lambda exc: name_flag(exc, given, from_env)
     )

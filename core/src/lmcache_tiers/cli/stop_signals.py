@@ -49,6 +49,19 @@ def _raise_stop(signum: int, _frame: Any) -> None:
     raise unwinding(signum)
 
 
+def handed_over() -> None:
+    """The command puts its own stop handling in place now (serve): SIGTERM goes back to
+    its default action, which that handling records and puts back when it is done.  Left
+    raising, a SIGTERM after the server stopped (the process lingering for threads stuck
+    in calls) unwound past the exit that leaves those threads behind, with a line saying
+    it came as the command started."""
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) is _raise_stop
+    ):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 @contextlib.contextmanager
 def ended_at_start() -> Iterator[None]:
     """Run the command with SIGTERM raising (SIGINT raises KeyboardInterrupt already); a
