@@ -14,6 +14,7 @@ the number of passes is bounded, not exact.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import pytest
@@ -190,3 +191,24 @@ def test_reservations_expiring_pass_after_pass_leave_a_share_to_read_locks(l1: L
     while l1.reap_backlog:
         reaped += l1.expire_locks(later, budget=BUDGET)
     assert reaped == 1 + MASS and l1.stats().write_locked == 0
+
+
+def test_leases_ending_at_once_are_logged_once_not_once_a_pass(
+    l1: L1Manager, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One line for the burst, as when one pass reclaimed them all, with the rest counted
+    in it: a mass of 100k leases ending together took some 200 passes, each with its line."""
+    objects = store(l1, 1, MASS, fill=0x44)
+    l1.reserve_read([obj.key for obj in objects])
+    assert l1.clear(force=True) == MASS
+    lease_end = max(obj.lock_deadline for obj in objects) + GRACE
+    passes = 0
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers.l1.leases"):
+        while True:
+            l1.expire_locks(lease_end, budget=BUDGET)
+            passes += 1
+            if not l1.reap_backlog:
+                break
+    assert passes > 1 and l1.lease_stats().reclaimed_lease_end == MASS
+    lines = [record for record in caplog.records if "end of their lease" in record.getMessage()]
+    assert len(lines) == 1, [record.getMessage() for record in lines]

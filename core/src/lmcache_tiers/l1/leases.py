@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1.allocator import ExtentAllocator
 from lmcache_tiers.l1.objects import L1Object, ObjectState
@@ -123,6 +124,9 @@ class ExtentLeases:
         self.quarantined_bytes = 0
         self.fenced_bytes = 0
         self._fenced = 0
+        # One line per burst: a mass expiry is reaped, and its leases end, over a few
+        # hundred bounded passes, and a line each flooded the log (the counts are exact).
+        self._burst_log = BurstLog(logger)
         self._counts = dict.fromkeys(
             ("forced", "dropped", "expired", "fenced", "released", "lease_end", "writer_done", "bytes"), 0
         )
@@ -180,12 +184,14 @@ class ExtentLeases:
             )
         if fenced:
             self._counts["fenced"] += fenced
-            logger.warning(
+            self._burst_log.warn(
+                "fenced",
                 "%d expired write reservations fenced: their writers may still be copying into "
                 "them, so their extents are not reused until those writers commit or abort "
                 "(%d bytes fenced in all)",
                 fenced,
                 self.fenced_bytes,
+                count=fenced,
             )
         if pinned:
             logger.info(
@@ -327,10 +333,12 @@ class ExtentLeases:
         for entry in due:
             self._forget(entry, "lease_end")
         if due:
-            logger.warning(
+            self._burst_log.warn(
+                "lease_end",
                 "%d quarantined L1 extents reclaimed at the end of their lease; a reader still "
                 "holding views into them is told that their bytes may have changed",
                 len(due),
+                count=len(due),
             )
         self._give_back([entry.obj.offset for entry in due])
         return len(due)
