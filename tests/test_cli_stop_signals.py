@@ -50,6 +50,17 @@ main(["plugins", "list"])
 """
 
 
+def _launch(script: str, *argv: str) -> subprocess.Popen[str]:
+    """``python -c script *argv``, its stop signals at their default action."""
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=stop_signals_at_default(),
+    )
+
+
 def _wait_for(marker: Path, process: subprocess.Popen[str]) -> None:
     deadline = time.monotonic() + 120
     while not marker.exists():
@@ -63,13 +74,7 @@ def test_a_signal_after_a_swallowed_one_still_ends_the_command(tmp_path: Path, s
     """The first SIGTERM put both signals to SIG_IGN before raising: swallowed on its way
     out, it left the command running deaf to SIGTERM and Ctrl-C."""
     marker = tmp_path / "swallowed"
-    process = subprocess.Popen(
-        [sys.executable, "-c", _SWALLOWED, str(marker), str(HOLD_S)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=stop_signals_at_default(),
-    )
+    process = _launch(_SWALLOWED, str(marker), str(HOLD_S))
     try:
         _wait_for(Path(f"{marker}.held"), process)
         process.send_signal(signal.SIGTERM)
@@ -123,13 +128,7 @@ def test_sigterm_as_serve_lingers_for_stuck_threads_ends_it(tmp_path: Path) -> N
     marker = tmp_path / "lingering"
     args = ["serve", "--no-default-l2", "--l1-size-gb", "0.01", "--disable-metrics"]
     args += ["--host", f"ipc://{tmp_path / 'rpc.sock'}"]
-    process = subprocess.Popen(
-        [sys.executable, "-c", _STOPPED_SERVE, str(marker), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=stop_signals_at_default(),
-    )
+    process = _launch(_STOPPED_SERVE, str(marker), *args)
     try:
         _wait_for(marker, process)
         process.send_signal(signal.SIGTERM)
