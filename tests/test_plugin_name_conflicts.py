@@ -140,3 +140,11 @@ def test_plugins_show_of_either_plugin_lists_the_contested_component(site: Path)
         assert result.returncode == 0, result.stderr
         assert f"l2_adapter:fs  (plugin {distribution})" in result.stdout
         assert f"warning: {FS_CONTEST}" in result.stderr.splitlines()
+
+
+def test_plugins_show_of_a_contested_component_lists_each_claimant_under_one_warning(site: Path) -> None:
+    result = run_cli(["plugins", "show", "l2_adapter:twin"], site, COLUMNS="400")
+    assert result.returncode == 0, result.stderr
+    for distribution in ("tiers-aaa-shadow-fs", "tiers-zzz-twin"):
+        assert f"l2_adapter:twin  (plugin {distribution})" in result.stdout
+    assert result.stderr.splitlines() == [f"warning: {TWIN_CONTEST}"]

@@ -101,7 +101,8 @@ def show(name: str = typer.Argument(..., help="A plugin name, or a component as 
     contested = {each[0].qualified_name.lower(): each for each in plugin_set.registry.contested()}
     for component in components:
         title = f"{component.qualified_name}  (plugin {component.plugin})"
-        claimants = contested.get(component.qualified_name.lower())
+        # once a name: `plugins show KIND:NAME` lists every claimant of it
+        claimants = contested.pop(component.qualified_name.lower(), None)
         if claimants is not None:
             warn(f"{contest_text(claimants)}; {CONTEST_WAY_OUT}")
         fields: list[FieldDoc] | None
