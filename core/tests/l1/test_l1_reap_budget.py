@@ -212,3 +212,19 @@ def test_leases_ending_at_once_are_logged_once_not_once_a_pass(
     assert passes > 1 and l1.lease_stats().reclaimed_lease_end == MASS
     lines = [record for record in caplog.records if "end of their lease" in record.getMessage()]
     assert len(lines) == 1, [record.getMessage() for record in lines]
+
+
+def test_a_stalled_readers_lock_is_reaped_under_reservations_expiring_pass_after_pass(l1: L1Manager) -> None:
+    """A dead reader's lock on an object an L2 store was reading waits for the store, then
+    for a look of the reap (``stalled``): reservations taking every budget kept it forever."""
+    (obj,) = store(l1, 1, 1, fill=0x55)
+    l1.reserve_read([obj.key])  # the reader that dies
+    reading = list(l1.reserve_store([obj.key]).values())
+    later = obj.lock_deadline + TTL  # every reservation made below is due by then
+    assert l1.expire_locks(later, budget=BUDGET) == 0  # the store still reads: stalled
+    l1.finish_store(reading)
+    assert obj.read_locks == 1
+    for step in range(MASS // BUDGET):
+        l1.reserve_write(keys(200 + step, BUDGET), [ALIGN] * BUDGET)  # writers that die
+        l1.expire_locks(later, budget=BUDGET)
+    assert obj.read_locks == 0 and l1.stats().read_locks == 0

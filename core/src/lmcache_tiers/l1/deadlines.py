@@ -87,6 +87,11 @@ class LockDeadlines:
         look at)."""
         return bool(self._ends) and self._ends[0] <= now
 
+    @property
+    def any_stalled(self) -> bool:
+        """Whether objects wait for a look once their L2 stores have reported."""
+        return bool(self._stalled)
+
     def due(self, now: float) -> bool:
         """Whether a reap at ``now`` has locks to look at, besides those stalled (which wait
         for their stores, not for the reap)."""

@@ -222,10 +222,12 @@ class Removal:
             table = self._table
             leases = self._leases
             deadlines = table.deadlines
-            # A share of the budget for read cells that ended, as for the leases below:
-            # reservations expiring faster than a budget a pass, taken first, would
-            # otherwise keep a dead reader's locks (and its objects) from the reap forever.
-            read_share = budget // 4 if deadlines.reads_waiting(now) else 0
+            # A share of the budget for read cells that ended and stalled objects, as for
+            # the leases below: reservations expiring faster than a budget a pass, taken
+            # first, would otherwise keep a dead reader's locks (and its objects) from the
+            # reap forever.
+            reads_wait = deadlines.reads_waiting(now) or deadlines.any_stalled
+            read_share = budget // 4 if reads_wait else 0
             expired_writes = deadlines.writes_due(now, budget - read_share)
             for obj in expired_writes:
                 leases.lapse(obj, now)
