@@ -1,0 +1,175 @@
+"""The process at the other end of a connection, and whether it has exited.
+
+A front end fences the extents of a shared-memory store that expired before its client
+said its copy was over (``L1Manager.fence_writers``).  A client whose process exited
+copies nothing any more, so its fences can be lifted; for that the server must know the
+client's process, which a protocol may not carry.  The kernel knows it:
+
+* ``ipc://`` (a Unix socket): ``SO_PEERCRED`` gives the pid of the process that
+  connected, translated into the server's pid namespace (0 when it has no pid there);
+* ``tcp://`` over loopback: the client's socket is the one whose local address is the
+  connection's far end in ``/proc/net/tcp{,6}``; the processes holding its inode in
+  ``/proc/*/fd`` are its owners (a scan, so once per connection);
+* anything else (a remote peer, a process not visible here, a lookup that failed):
+  unknown, and a front end keeps its fences as before.
+
+The descriptor must be the one the message came in on, looked at as it is received
+(ZeroMQ's ``zmq.SRCFD`` of a frame): libzmq closes it when the connection ends and the
+number is soon another connection's.
+
+Left: an owner the scan cannot see (another user's process, when the server does not
+run as root), holding the same loopback socket as one it sees, is not waited for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import select
+import socket
+import struct
+
+__all__ = ["PeerProcess", "peer_pids", "watch_peer"]
+
+#: struct ucred: pid, uid, gid
+_UCRED = struct.Struct("3i")
+
+
+def peer_pids(fd: int) -> tuple[int, ...]:
+    """The pids of the processes at the other end of the connected socket ``fd`` (empty
+    when that cannot be told: see the module)."""
+    if fd < 0:
+        return ()
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return ()
+    with sock:
+        try:
+            if sock.family == socket.AF_UNIX:
+                pid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[0]
+                return (pid,) if pid > 0 else ()
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                return _loopback_owners(sock.getpeername(), sock.getsockname())
+        except OSError:
+            return ()
+    return ()
+
+
+def _loopback_owners(far: tuple[object, ...], near: tuple[object, ...]) -> tuple[int, ...]:
+    far_ip, near_ip = ipaddress.ip_address(str(far[0])), ipaddress.ip_address(str(near[0]))
+    if isinstance(far_ip, ipaddress.IPv6Address) and far_ip.ipv4_mapped is not None:
+        far_ip = far_ip.ipv4_mapped
+    if isinstance(near_ip, ipaddress.IPv6Address) and near_ip.ipv4_mapped is not None:
+        near_ip = near_ip.ipv4_mapped
+    if not far_ip.is_loopback:
+        return ()  # another host's process: nothing here names it
+    # The client's socket: its local address is our far end, its remote one our near end.
+    wanted_local = (far_ip.packed, int(str(far[1])))
+    wanted_remote = (near_ip.packed, int(str(near[1])))
+    inode = _tcp_inode(wanted_local, wanted_remote)
+    return _holders(inode) if inode else ()
+
+
+def _tcp_inode(local: tuple[bytes, int], remote: tuple[bytes, int]) -> int:
+    """The inode of the TCP socket with these addresses (0: none).  An IPv4 address is
+    looked for in ``tcp`` as is and in ``tcp6`` v4-mapped (a dual-stack client)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as lines:
+                next(lines, None)  # the header
+                for line in lines:
+                    fields = line.split()
+                    if len(fields) < 10:
+                        continue
+                    if _address(fields[1]) == local and _address(fields[2]) == remote:
+                        return int(fields[9])
+        except (OSError, ValueError):
+            continue
+    return 0
+
+
+def _address(text: str) -> tuple[bytes, int]:
+    """``/proc/net/tcp``'s ``HEX:PORT`` (the address in 32-bit words of host order),
+    with a v4-mapped IPv6 address as its IPv4 one."""
+    host, port = text.split(":")
+    raw = bytes.fromhex(host)
+    packed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    if len(packed) == 16 and packed[:12] == b"\x00" * 10 + b"\xff\xff":
+        packed = packed[12:]
+    return packed, int(port, 16)
+
+
+def _holders(inode: int) -> tuple[int, ...]:
+    target = f"socket:[{inode}]"
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            for fd in os.scandir(f"/proc/{entry.name}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd.path) == target:
+                        found.append(int(entry.name))
+                        break
+        except OSError:
+            continue  # exited meanwhile, or not ours to look at
+    return tuple(found)
+
+
+class PeerProcess:
+    """The processes of a connection, watched through pidfds: exited once all have.
+
+    Its pidfds are closed by :meth:`close` or when it is collected; a closed watch can no
+    longer tell, so it never says exited."""
+
+    def __init__(self, pids: tuple[int, ...], pidfds: list[int]) -> None:
+        self.pids = pids
+        self._pidfds = pidfds
+        self._closed = False
+
+    def exited(self) -> bool:
+        if self._closed:
+            return False
+        if not self._pidfds:
+            return True  # each had exited before it could be watched
+        # poll, not select: a pidfd may be numbered past select's FD_SETSIZE
+        poller = select.poll()
+        for pidfd in self._pidfds:
+            poller.register(pidfd, select.POLLIN)
+        return len(poller.poll(0)) == len(self._pidfds)
+
+    def close(self) -> None:
+        self._closed = True
+        pidfds, self._pidfds = self._pidfds, []
+        for pidfd in pidfds:
+            with contextlib.suppress(OSError):
+                os.close(pidfd)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def watch_peer(fd: int) -> PeerProcess | None:
+    """Watch the processes at the other end of ``fd`` for their exit; None when they
+    cannot be told (see the module), which a caller takes as "may still be running".
+
+    A pid is read from the kernel, then a pidfd opened on it.  If the process exited
+    in between and its pid went to another process, the pidfd watches that one: its exit
+    comes later than the real peer's, never earlier (that one has already exited), so a
+    fence waiting for it is lifted late, never while the peer may still copy."""
+    pids = peer_pids(fd)
+    if not pids:
+        return None
+    pidfds = []
+    for pid in pids:
+        try:
+            pidfds.append(os.pidfd_open(pid))
+        except ProcessLookupError:
+            continue  # no such process any more: it exited, nothing to wait for
+        except OSError:  # no pidfds here (an old kernel, a seccomp filter): unknown
+            for pidfd in pidfds:
+                os.close(pidfd)
+            return None
+    return PeerProcess(pids, pidfds)

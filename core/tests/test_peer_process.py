@@ -1,0 +1,133 @@
+"""The process at the other end of a connection, read from the kernel, and its exit.
+
+Real client processes connect over a Unix socket and loopback TCP (IPv4 and IPv6); the
+server side's descriptor names them, and a pidfd tells when they have exited.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lmcache_tiers.peer_process import peer_pids, watch_peer
+
+#: connects to argv[1] (a path, or host:port), says so, then waits to be killed
+CLIENT = """
+import socket, sys, time
+where = sys.argv[1]
+if where.startswith("/"):
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect(where)
+else:
+    host, port = where.rsplit(":", 1)
+    sock = socket.create_connection((host.strip("[]"), int(port)))
+print("connected", flush=True)
+time.sleep(3600)
+"""
+
+
+def start_client(where: str) -> subprocess.Popen[str]:
+    process = subprocess.Popen([sys.executable, "-c", CLIENT, where], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    assert process.stdout.readline().strip() == "connected"
+    return process
+
+
+def stop(process: subprocess.Popen[str]) -> None:
+    process.kill()
+    process.wait()
+    assert process.stdout is not None
+    process.stdout.close()
+
+
+@pytest.fixture(params=["unix", "tcp4", "tcp6"])
+def accepted(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[tuple[socket.socket, subprocess.Popen[str]]]:
+    """The server side of a connection from a client process, and that process."""
+    if request.param == "unix":
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(tmp_path / "s"))
+        where = str(tmp_path / "s")
+    elif request.param == "tcp4":
+        listener = socket.socket(socket.AF_INET)
+        listener.bind(("127.0.0.1", 0))
+        where = f"127.0.0.1:{listener.getsockname()[1]}"
+    else:
+        listener = socket.socket(socket.AF_INET6)
+        listener.bind(("::1", 0))
+        where = f"[::1]:{listener.getsockname()[1]}"
+    listener.listen()
+    process = start_client(where)
+    conn, _ = listener.accept()
+    try:
+        yield conn, process
+    finally:
+        if process.poll() is None:
+            stop(process)
+        conn.close()
+        listener.close()
+
+
+def test_the_peer_process_is_named_and_its_exit_seen(
+    accepted: tuple[socket.socket, subprocess.Popen[str]],
+) -> None:
+    conn, process = accepted
+    assert peer_pids(conn.fileno()) == (process.pid,)
+    watch = watch_peer(conn.fileno())
+    assert watch is not None
+    try:
+        assert not watch.exited()
+        stop(process)
+        assert watch.exited()
+    finally:
+        watch.close()
+
+
+def test_a_peer_that_exited_before_the_watch_began_has_exited(tmp_path: Path) -> None:
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(tmp_path / "s"))
+    listener.listen()
+    process = start_client(str(tmp_path / "s"))
+    conn, _ = listener.accept()
+    with listener, conn:
+        stop(process)  # reaped: its pid names nothing now
+        watch = watch_peer(conn.fileno())
+        assert watch is not None and watch.exited()
+
+
+def test_a_descriptor_naming_no_connection_names_no_process() -> None:
+    assert peer_pids(-1) == ()
+    assert watch_peer(-1) is None
+    read_end, write_end = os.pipe()
+    try:
+        assert peer_pids(read_end) == ()
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_a_peer_of_the_same_process_is_this_process() -> None:
+    left, right = socket.socketpair()
+    with left, right:
+        assert peer_pids(left.fileno()) == (os.getpid(),)
+
+
+def test_a_closed_watch_never_says_exited(tmp_path: Path) -> None:
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(tmp_path / "s"))
+    listener.listen()
+    process = start_client(str(tmp_path / "s"))
+    conn, _ = listener.accept()
+    with listener, conn:
+        watch = watch_peer(conn.fileno())
+        assert watch is not None
+        watch.close()
+        stop(process)
+        assert not watch.exited()  # it can no longer tell: never taken as over
