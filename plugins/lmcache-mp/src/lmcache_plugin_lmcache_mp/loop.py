@@ -106,6 +106,8 @@ class MPServer:
         self._budget = _LineBudget(LOG_LINES_PER_SECOND)
         #: requests handed to the pool and not answered yet (loop thread only)
         self._in_pool: set[_PoolRequest] = set()
+        #: the first frame of the message being handled, which knows its descriptor
+        self._first_frame: zmq.Frame | None = None
 
     def request_stop(self, *, force: bool = False) -> None:
         """Begin a stop; safe from a signal handler (a flag, and a non-blocking wake-up)."""
@@ -152,6 +154,7 @@ class MPServer:
         except zmq.ZMQError as exc:
             logger.warning("%s: receive failed: %s", self.name, exc)
             return
+        self._first_frame = part
         frames = [part.bytes]
         more = part.more
         while more:  # parts of one message arrive together: these receives do not block
@@ -203,12 +206,22 @@ class MPServer:
                 name, peek_uid(uid), "mp_shutting_down", "the server is shutting down", arg_frames
             )
             return
+        transfers = self.handlers.transfers
+        if name == "prepare_store" and self._first_frame is not None:
+            # Its writer's process is read off the descriptor this message came in on,
+            # during the call: once the connection closes, the number is another's.
+            try:
+                transfers.source_fd = int(self._first_frame.get(zmq.SRCFD))
+            except zmq.ZMQError:
+                transfers.source_fd = -1  # a libzmq that does not say: the process stays unknown
         try:
             args = decode_arguments(name, arg_frames)
             result = self.handlers.dispatch(name, args, identity)
         except Exception as exc:
             self._failed(name, uid, arg_frames, exc)
             return
+        finally:
+            transfers.source_fd = -1
         if isinstance(result, Deferred):
             self._submit(identity, uid, op, name, arg_frames, result)
         else:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmcache_plugin_lmcache_mp.chunks import LOOKUP_KEY_BYTES, HashCache
+from lmcache_tiers.peer_process import PeerProcess
 from lmcache_tiers.plugin import ObjectKey, TensorLayout
 
 __all__ = ["Instance", "LookupJob", "PendingTransfers", "RequestTable", "Transfer"]
@@ -279,6 +280,9 @@ class Transfer:
     lookup: LookupJob | None = None
     #: what its commit names (instance, connection, request, keys), set by ``add``
     ident: _Ident | None = None
+    #: a store's: the process of the connection that prepared it, when the kernel named
+    #: it (``peers.py``); once that process has exited, nothing copies into its slots
+    writer: PeerProcess | None = None
 
 
 class PendingTransfers:
@@ -325,6 +329,28 @@ class PendingTransfers:
         here (its unregister: the client has stopped copying)."""
         idents = [ident for ident in self.fenced if ident[0] == instance_id and ident[1] == peer]
         return [transfer for ident in idents for transfer in self.take_fenced(ident)]
+
+    def take_fenced_of_exited_writers(self) -> list[Transfer]:
+        """The fenced transfers whose writer's process has exited, forgotten here: a
+        process that exited copies nothing any more."""
+        taken: list[Transfer] = []
+        exited: dict[PeerProcess, bool] = {}  # one look per process
+        for ident, transfers in list(self.fenced.items()):
+            kept = []
+            for transfer in transfers:
+                writer = transfer.writer
+                if writer is not None and exited.setdefault(writer, writer.exited()):
+                    taken.append(transfer)
+                else:
+                    kept.append(transfer)
+            if len(kept) == len(transfers):
+                continue
+            if kept:
+                self.fenced[ident] = kept
+            else:
+                del self.fenced[ident]
+        self.fenced_bytes -= sum(transfer.bytes for transfer in taken)
+        return taken
 
     def take_fenced(self, ident: _Ident) -> list[Transfer]:
         """The fenced transfers a commit of ``ident`` names, forgotten here: the client

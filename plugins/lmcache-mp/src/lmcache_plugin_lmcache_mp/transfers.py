@@ -27,14 +27,16 @@ lease grace) would copy into whatever object the reaped extent holds by then.  S
 reservations are fenced (``L1Manager.fence_writers``): an expired one's extent is not
 reused until the client's ``commit_store`` of that range on that connection -- which
 LMCache's client sends once its gather into the slots has finished -- or its unregister
-of the instance on that connection says the copy is over (``writers_done``).  The
-protocol carries no pid and ZeroMQ shows no peer process, so nothing else proves a
-client stopped: a client that never commits (it died, or its connection was
-re-established under a new identity) keeps its extents fenced until the server stops.
-That is bounded: while this front end's fenced reservations hold ``1/FENCED_SHARE_OF_L1``
-of L1 or more, ``prepare_store`` is refused (no slots), and so is a prepare of a range
-whose expired reservation its connection has not committed yet (its commit would not
-say which copy ended).
+of the instance on that connection says the copy is over (``writers_done``), or the
+client's process has exited (``peers.py``: the protocol carries no pid, so the kernel is
+asked who is at the other end of the connection the prepare came in on; a sweep lifts
+the fences of stores whose writer exited).  A client whose process cannot be told (a
+remote one, one in a pid namespace not visible here) and that never commits keeps its
+extents fenced until the server stops, as does a live one whose connection was
+re-established under a new identity.  That is bounded: while this front end's fenced
+reservations hold ``1/FENCED_SHARE_OF_L1`` of L1 or more, ``prepare_store`` is refused
+(no slots), and so is a prepare of a range whose expired reservation its connection has
+not committed yet (its commit would not say which copy ended).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from typing import Any
 from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused, RequestTooLarge, Shared, failure_reason
 from lmcache_plugin_lmcache_mp.chunks import keys_for_rank
 from lmcache_plugin_lmcache_mp.lookups import Lookups
+from lmcache_plugin_lmcache_mp.peers import ConnectionProcesses
 from lmcache_plugin_lmcache_mp.state import (
     MAX_MAPPING_CONNECTIONS,
     Instance,
@@ -81,6 +84,11 @@ class Transfers:
         #: fenced bytes (``PendingTransfers.fenced_bytes``) past which stores are refused
         self.fenced_bytes_bound = max(1, int(self.storage.l1.capacity_bytes) // FENCED_SHARE_OF_L1)
         self._fence_refusals = BurstLog(logger, "mp_store_refused_fenced")
+        #: the process of each connection, whose exit lifts the fences of its stores
+        self.peers = ConnectionProcesses()
+        #: the descriptor the request being handled came in on (``zmq.SRCFD``; -1: not
+        #: known), set by the loop around a prepare_store (loop thread only)
+        self.source_fd = -1
         self.reads = PendingTransfers()
         self._refusals = BurstLog(logger, "mp_store_refused_l1_full")
         self._mismatches = BurstLog(logger, "mp_retrieve_layout_mismatch")
@@ -190,7 +198,13 @@ class Transfers:
                 )
                 indices.append(index)
         transfer = Transfer(
-            list(reserved), deadline, key.request_id, size * len(reserved), reserved=reserved, peer=peer
+            list(reserved),
+            deadline,
+            key.request_id,
+            size * len(reserved),
+            reserved=reserved,
+            peer=peer,
+            writer=self.peers.writer(peer, self.source_fd),
         )
         self.writes.add(instance_id, keys, transfer)
         return PrepareStoreReply(context={"slots": slots, "chunk_indices": indices})
@@ -703,6 +717,26 @@ class Transfers:
         for transfer in due:
             self.storage.release(transfer.keys, not_before=transfer.not_before)
         self._count_expired(self.writes.expire(now), len(self.reads.expire(now)) + len(due))
+        self._release_fences_of_exited_writers()
+
+    def _release_fences_of_exited_writers(self) -> None:
+        """Give back the fenced extents of stores whose client process has exited
+        (``peers.py``): a process that exited copies nothing into them any more."""
+        if not self.writes.fenced:
+            return
+        released = self.writes.take_fenced_of_exited_writers()
+        if not released:
+            return
+        objs = [obj for transfer in released for obj in transfer.reserved.values()]
+        given_back = self.storage.l1.writers_done(objs)
+        self.shared.stats.failure("mp_fence_writer_exited", len(released))
+        logger.warning(
+            "%d expired reservations never committed were held by client processes that have "
+            "exited (connections %s): their %d fenced L1 extents are given back [mp_fence_writer_exited]",
+            len(released),
+            ", ".join(sorted({transfer.peer.hex() for transfer in released})),
+            given_back,
+        )
 
     def _count_expired(self, reservations: list[Transfer], reads: int) -> None:
         """Transfers never committed within the L1 TTLs: each counted once, and the keys
@@ -723,6 +757,7 @@ class Transfers:
         self._count_expired(self.writes.expire(now), len(self.reads.expire(now)))
         self._give_up_pickled_stores()
         self._give_up_pickled_retrieves()
+        self.peers.close()
         return self._give_back(self.writes.pop_all(), self.reads.pop_all(), "shutting_down")
 
     def _give_up_pickled_stores(self) -> None:
