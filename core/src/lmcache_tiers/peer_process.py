@@ -30,7 +30,7 @@ import select
 import socket
 import struct
 
-__all__ = ["PeerProcess", "peer_pids", "watch_peer"]
+__all__ = ["PeerProcess", "peer_pids", "pidfd_exited", "watch_peer"]
 
 #: struct ucred: pid, uid, gid
 _UCRED = struct.Struct("3i")
@@ -118,6 +118,15 @@ def _holders(inode: int) -> tuple[int, ...]:
     return tuple(found)
 
 
+def pidfd_exited(pidfd: int) -> bool:
+    """Whether the process of ``pidfd`` has exited (its pidfd reads as ready)."""
+    # poll, not select: a pidfd may be numbered past select's FD_SETSIZE (1024), where
+    # select raises, and a server with many connections opens that many descriptors
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
 class PeerProcess:
     """The processes of a connection, watched through pidfds: exited once all have.
 
@@ -132,13 +141,8 @@ class PeerProcess:
     def exited(self) -> bool:
         if self._closed:
             return False
-        if not self._pidfds:
-            return True  # each had exited before it could be watched
-        # poll, not select: a pidfd may be numbered past select's FD_SETSIZE
-        poller = select.poll()
-        for pidfd in self._pidfds:
-            poller.register(pidfd, select.POLLIN)
-        return len(poller.poll(0)) == len(self._pidfds)
+        # each had exited before it could be watched, when there is none
+        return all(pidfd_exited(pidfd) for pidfd in self._pidfds)
 
     def close(self) -> None:
         self._closed = True

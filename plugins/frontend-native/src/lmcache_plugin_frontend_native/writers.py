@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 from collections.abc import Callable
+
+from lmcache_tiers.peer_process import pidfd_exited
 
 #: HELLO pids kept (past it, the oldest of a peer holding nothing is dropped): a peer
 #: picks its identity, so the table is bounded
@@ -58,7 +59,7 @@ class WriterProcesses:
         """Whether the process of the client ``identity`` is known to have exited; False
         when that cannot be told."""
         watched = self._watched_process(identity)
-        return watched is not None and _exited(watched[1])
+        return watched is not None and pidfd_exited(watched[1])
 
     def same_process(self, earlier: bytes, identity: bytes) -> bool:
         """Whether the client ``identity`` runs in the process, alive and watched, of the
@@ -68,7 +69,7 @@ class WriterProcesses:
         if pid <= 0 or (earlier not in self._watched and self._pids.get(earlier) != pid):
             return False  # not watched only to be told apart
         watched = self._watched_process(earlier)
-        return watched is not None and watched[0] == pid and not _exited(watched[1])
+        return watched is not None and watched[0] == pid and not pidfd_exited(watched[1])
 
     def _watched_process(self, identity: bytes) -> tuple[int, int] | None:
         if identity not in self._watched:
@@ -107,8 +108,3 @@ class WriterProcesses:
                 with contextlib.suppress(OSError):
                     os.close(watched[1])
         self._watched.clear()
-
-
-def _exited(pidfd: int) -> bool:
-    readable, _, _ = select.select([pidfd], [], [], 0)
-    return bool(readable)

@@ -1,0 +1,55 @@
+"""A client's exit is seen through a pidfd whatever its number.
+
+A server with many connections has descriptors numbered past 1024, where ``select``
+raises (FD_SETSIZE): the sweep's look at a watched client's pidfd failed there, and the
+fences of exited clients stayed.  A real client process maps a file standing in for the
+arena; the descriptors below 1100 are taken first, so its pidfd is numbered past 1024.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from lmcache_plugin_frontend_native.writers import WriterProcesses
+
+#: maps argv[1], says so, then waits to be killed
+MAPPER = """
+import mmap, sys, time
+with open(sys.argv[1], "r+b") as f:
+    mapped = mmap.mmap(f.fileno(), 4096)
+print("mapped", flush=True)
+time.sleep(3600)
+"""
+HIGH_FD = 1100
+
+
+def test_a_pidfd_numbered_past_1024_tells_the_exit(tmp_path: Path) -> None:
+    arena = tmp_path / "arena"
+    arena.write_bytes(bytes(4096))
+    found = arena.stat()
+    writer = subprocess.Popen([sys.executable, "-c", MAPPER, str(arena)], stdout=subprocess.PIPE, text=True)
+    filler = os.open(os.devnull, os.O_RDONLY)
+    taken = [filler]
+    processes = WriterProcesses(found.st_dev, found.st_ino, lambda identity: True)
+    try:
+        assert writer.stdout is not None
+        assert writer.stdout.readline().strip() == "mapped"
+        while taken[-1] < HIGH_FD:
+            taken.append(os.dup(filler))
+        processes.hello(b"writer", writer.pid)
+        assert not processes.exited(b"writer")  # its pidfd opened now, past 1024
+        writer.kill()
+        writer.wait()
+        assert processes.exited(b"writer")
+    finally:
+        processes.close()
+        for fd in taken:
+            os.close(fd)
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+        assert writer.stdout is not None
+        writer.stdout.close()
