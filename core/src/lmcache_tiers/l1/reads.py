@@ -80,6 +80,23 @@ class ReadLocks:
         # every key it was given, each once: engines ask about one waiting prompt again and
         # again, and the probe per key is most of what such a lookup costs
         self._last_hit: tuple[int, list[ObjectKey], list[L1Object]] | None = None
+        # (first, last, deadline): every ``now`` from first to last has that read-lock
+        # deadline (``lock_deadline``); empty until a lookup computes one
+        self._deadline_span = (math.inf, -math.inf, 0.0)
+
+    def lock_deadline(self, now: float) -> float:
+        """``read_lock_deadline(now, self.lock_ttl_s)``, the very float, rounded afresh once
+        per half grid step instead of on every lookup.  It is monotonic in ``now``: equal at
+        two times, it is equal at every time between them.  Called under the L1 lock."""
+        first, last, deadline = self._deadline_span
+        if first <= now <= last:
+            return deadline
+        ttl = self.lock_ttl_s
+        deadline = read_lock_deadline(now, ttl)
+        later = deadline - ttl - ttl / LOCK_GRID_STEPS / 2  # NaN for an infinite TTL
+        if later > now and read_lock_deadline(later, ttl) == deadline:
+            self._deadline_span = (now, later, deadline)
+        return deadline
 
     def prefix_hits(self, keys: Sequence[ObjectKey]) -> int:
         with self._lock:
@@ -154,7 +171,7 @@ class ReadLocks:
                 if not prefix:
                     return prefix
             locked = table.locked
-            deadline = read_lock_deadline(time.monotonic(), self.lock_ttl_s)
+            deadline = self.lock_deadline(time.monotonic())
             locked_bytes = 0
             for obj in unique:
                 # A READY object is in ``locked`` exactly when it has read locks.
