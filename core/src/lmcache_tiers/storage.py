@@ -275,7 +275,8 @@ class StorageManager:
         (its length is the hit count; release it like any prefetched prefix).  Otherwise
         ``(handle, None)``, and the result comes from ``query_prefetch``/``wait_prefetch``.
         """
-        self._check_open()
+        if self._closed:  # ``_check_open``, without a call on every lookup
+            self._check_open()
         return self.prefetch.begin(keys, readers)
 
     def query_prefetch(self, handle: int) -> int | None:

@@ -104,7 +104,10 @@ class PrefetchController(ControllerThread):
 
     def submit(self, keys: Sequence[ObjectKey], readers: int = 1) -> int:
         """Start a prefetch of ``keys`` (prefix order); returns a handle to query."""
-        handle, locked, started = self._begin(keys, readers)
+        # Read before ``begin`` takes any lock, as its own start: a lower bound of the
+        # deadlines of the locks it takes, and where the result's deadline runs from.
+        started = time.monotonic()
+        handle, locked = self.begin(keys, readers)
         if locked is not None:
             deadline = started + self._handles.result_ttl_s
             result = HeldResult(len(locked), locked, readers, deadline, self.l1.lock_deadline(started))
@@ -120,11 +123,6 @@ class PrefetchController(ControllerThread):
         The common lookup (everything in L1) thus costs one pass over L1 and no request
         record, queue, thread wake-up or result to collect.
         """
-        handle, locked, _ = self._begin(keys, readers)
-        return handle, locked
-
-    def _begin(self, keys: Sequence[ObjectKey], readers: int) -> tuple[int, list[ObjectKey] | None, float]:
-        """``begin``, and the monotonic time read before the request took its first lock."""
         if readers < 1:
             raise ValueError(f"readers must be at least 1, got {readers}")
         handle = self._handles.new_handle()
@@ -137,16 +135,21 @@ class PrefetchController(ControllerThread):
         l1_hits = len(self.l1.reserve_read_prefix(keys, readers, until_repeat=True))
         # (A list's slice is a new list already: no second copy on the usual path.)
         locked = keys[:l1_hits] if type(keys) is list else list(keys[:l1_hits])
-        if l1_hits == len(keys) or not self.slots:
-            # Settled here, as most lookups are: no request record, no list of the unique
-            # keys (only their number is counted), and no log line per lookup.
+        if l1_hits == len(keys):
+            # Settled here, as most lookups are: no request record, no log line, and
+            # nothing to deduplicate (the prefix ends before a repeat: every key is
+            # distinct).
+            self.stats.add_lookup(l1_hits, l1_hits)
+            return handle, locked
+        if not self.slots:
+            # Settled too: only the number of unique keys is counted, not a list of them.
             self.stats.add_lookup(unique_length(keys, l1_hits), l1_hits)
-            return handle, locked, started
+            return handle, locked
         unique = unique_prefix(keys)
         remaining = len(unique) - l1_hits
         self.stats.add_lookup(len(unique), l1_hits)
         if remaining == 0:
-            return handle, locked, started
+            return handle, locked
         logger.debug(
             "Prefetch request submitted: %d total keys, %d L1 prefix hits, %d remaining for L2",
             len(unique),
@@ -156,12 +159,12 @@ class PrefetchController(ControllerThread):
         until = started + self._handles.result_ttl_s
         request = PrefetchRequest(handle, unique, readers, l1_hits, until, self.l1.lock_deadline(started))
         if self._look_up_now(request) and not any(request.pinned.values()):
-            return handle, locked, started  # every adapter answered at once, and nothing was found
+            return handle, locked  # every adapter answered at once, and nothing was found
         if not self._handles.enqueue(request):  # shutting down
             self._locks.release_pins(request)
-            return handle, locked, started
+            return handle, locked
         self.wake()
-        return handle, None, started
+        return handle, None
 
     def _look_up_now(self, request: PrefetchRequest) -> bool:
         """Ask every adapter that can answer from memory (``lookup_and_lock_now``) on this
