@@ -49,25 +49,29 @@ class L1Listeners:
     """The registered listeners, told about each call's changes in registration order."""
 
     def __init__(self) -> None:
-        self._listeners: list[L1Listener] = []
+        # A tuple, replaced on each change: a notification (one per lookup) walks the
+        # listeners of its start without copying them.
+        self._listeners: tuple[L1Listener, ...] = ()
         #: notifications a listener raised on: changes it may not have seen
         self.errors = 0
         # A listener with a bug fails on every notification: one traceback, then a line a burst.
         self._failures_log = PolicyFailureLog(logger, "l1_listener_error")
 
     def add(self, listener: L1Listener) -> None:
-        self._listeners.append(listener)
+        self._listeners = (*self._listeners, listener)
 
     def remove(self, listener: L1Listener) -> None:
-        self._listeners.remove(listener)
+        listeners = list(self._listeners)
+        listeners.remove(listener)
+        self._listeners = tuple(listeners)
 
     def clear(self) -> None:
-        self._listeners.clear()
+        self._listeners = ()
 
     def notify(self, event: L1Event, keys: list[ObjectKey]) -> None:
         if not keys:
             return
-        for listener in list(self._listeners):
+        for listener in self._listeners:
             try:
                 if event == "written":
                     listener.on_l1_keys_written(keys)
