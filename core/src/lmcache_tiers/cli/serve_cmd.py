@@ -293,7 +293,10 @@ def make_serve(plugin_set: PluginSet) -> Callable[..., None]:
             False, "--print-config", help="Print the resolved configuration as JSON and exit."
         ),
         strict: bool = typer.Option(
-            False, "--strict", help="Refuse to start when any installed plugin failed to load."
+            False,
+            "--strict",
+            help="Refuse to start when any installed plugin failed to load, or when a component "
+            "name is registered by two distributions (contested: used by neither).",
         ),
         transport: Optional[str] = typer.Option(
             None, hidden=True, callback=compat.value_check(*compat.VALUE_CHECKED["--transport"])
