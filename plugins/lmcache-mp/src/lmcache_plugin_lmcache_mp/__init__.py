@@ -87,7 +87,14 @@ class LMCacheMPConfig(FrontendConfig, kw_only=True, frozen=True, forbid_unknown_
         ),
     ] = 1024
     worker_reap_timeout_s: Annotated[
-        float, _doc("Seconds a worker that pinged may stay silent before it is unregistered.", gt=0.0)
+        float,
+        _doc(
+            "Seconds a worker that pinged may stay silent before it is reaped "
+            "(mp_instance_reaped): its read locks are released, but its unfinished stores "
+            "are left to the write TTL (l1_write_ttl_s) and then fenced, since a silent "
+            "client may be one stalled before its copy.",
+            gt=0.0,
+        ),
     ] = 120.0
     worker_registration_grace_s: Annotated[
         float, _doc("Seconds a worker that never pinged stays registered.", gt=0.0)
