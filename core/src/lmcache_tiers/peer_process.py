@@ -10,8 +10,8 @@ client's process, which a protocol may not carry.  The kernel knows it:
 * ``tcp://`` over loopback: the client's socket is the one whose local address is the
   connection's far end in ``/proc/net/tcp{,6}``; the processes holding its inode in
   ``/proc/*/fd`` are its owners (a scan, so once per connection);
-* anything else (a remote peer, a process not visible here, a lookup that failed):
-  unknown, and a front end keeps its fences as before.
+* anything else (a remote peer, a process not visible here, a /proc mounted for
+  another pid namespace, a lookup that failed): unknown, and a front end keeps its fences as before.
 
 The descriptor must be the one the message came in on, looked at as it is received
 (ZeroMQ's ``zmq.SRCFD`` of a frame): libzmq closes it when the connection ends and the
@@ -65,11 +65,23 @@ def _loopback_owners(far: tuple[object, ...], near: tuple[object, ...]) -> tuple
         near_ip = near_ip.ipv4_mapped
     if not far_ip.is_loopback:
         return ()  # another host's process: nothing here names it
+    if not _proc_is_of_this_pid_namespace():
+        return ()
     # The client's socket: its local address is our far end, its remote one our near end.
     wanted_local = (far_ip.packed, int(str(far[1])))
     wanted_remote = (near_ip.packed, int(str(near[1])))
     inode = _tcp_inode(wanted_local, wanted_remote)
     return _holders(inode) if inode else ()
+
+
+def _proc_is_of_this_pid_namespace() -> bool:
+    """Whether /proc's pids are this process's: one mounted for another pid namespace
+    (``unshare --pid`` without a /proc of its own) names processes pidfd_open here finds
+    as none (taken as exited) or as others."""
+    try:
+        return os.readlink("/proc/self") == str(os.getpid())
+    except OSError:
+        return False
 
 
 def _tcp_inode(local: tuple[bytes, int], remote: tuple[bytes, int]) -> int:
