@@ -6,6 +6,7 @@ server side's descriptor names them, and a pidfd tells when they have exited.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -90,13 +91,24 @@ def test_the_peer_process_is_named_and_its_exit_seen(
         watch.close()
 
 
-def test_a_peer_that_exited_before_the_watch_began_has_exited(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def unix_peer(tmp_path: Path) -> Iterator[tuple[socket.socket, subprocess.Popen[str]]]:
+    """A client process connected over a Unix socket, and the server side of its connection."""
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(str(tmp_path / "s"))
     listener.listen()
     process = start_client(str(tmp_path / "s"))
     conn, _ = listener.accept()
     with listener, conn:
+        try:
+            yield conn, process
+        finally:
+            if process.poll() is None:
+                stop(process)
+
+
+def test_a_peer_that_exited_before_the_watch_began_has_exited(tmp_path: Path) -> None:
+    with unix_peer(tmp_path) as (conn, process):
         stop(process)  # reaped: its pid names nothing now
         watch = watch_peer(conn.fileno())
         assert watch is not None and watch.exited()
@@ -120,12 +132,7 @@ def test_a_peer_of_the_same_process_is_this_process() -> None:
 
 
 def test_a_closed_watch_never_says_exited(tmp_path: Path) -> None:
-    listener = socket.socket(socket.AF_UNIX)
-    listener.bind(str(tmp_path / "s"))
-    listener.listen()
-    process = start_client(str(tmp_path / "s"))
-    conn, _ = listener.accept()
-    with listener, conn:
+    with unix_peer(tmp_path) as (conn, process):
         watch = watch_peer(conn.fileno())
         assert watch is not None
         watch.close()
