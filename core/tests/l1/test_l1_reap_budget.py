@@ -70,12 +70,11 @@ def serve_between_steps(l1: L1Manager, step: int, held_offsets: set[int]) -> Non
     assert l1.delete([stored.key]) == [True]
 
 
-def test_a_dead_readers_mass_of_expired_locks_is_reaped_over_bounded_passes(l1: L1Manager) -> None:
-    objects = store(l1, 1, MASS, fill=0x11)
-    l1.reserve_read([obj.key for obj in objects])  # the client that dies holding them
-    due = max(obj.lock_deadline for obj in objects)
-    offsets = {obj.offset for obj in objects}
-    generations = l1.generations(objects)
+def reap_in_bounded_passes(l1: L1Manager, due: float, offsets: set[int]) -> Iterator[int]:
+    """Reap what is due one budget at a time, yielding after each pass how many were reaped
+    so far (the caller checks the state between passes), then serve the data plane before
+    the next.  Ends once no backlog is left, having reaped the whole mass in more than one
+    pass; a caller that leaves the loop early skips that check."""
     reaped, steps = 0, 0
     while True:
         count = l1.expire_locks(due, budget=BUDGET)
@@ -83,6 +82,20 @@ def test_a_dead_readers_mass_of_expired_locks_is_reaped_over_bounded_passes(l1: 
         reaped += count
         steps += 1
         assert steps <= MOST_STEPS
+        yield reaped
+        serve_between_steps(l1, steps, offsets)
+        if not l1.reap_backlog:
+            break
+    assert reaped == MASS and steps > 1
+
+
+def test_a_dead_readers_mass_of_expired_locks_is_reaped_over_bounded_passes(l1: L1Manager) -> None:
+    objects = store(l1, 1, MASS, fill=0x11)
+    l1.reserve_read([obj.key for obj in objects])  # the client that dies holding them
+    due = max(obj.lock_deadline for obj in objects)
+    offsets = {obj.offset for obj in objects}
+    generations = l1.generations(objects)
+    for reaped in reap_in_bounded_passes(l1, due, offsets):
         waiting = [obj for obj in objects if obj.read_locks]
         assert len(waiting) == MASS - reaped
         # Not reached yet: still locked, so neither a delete nor an eviction takes it and
@@ -93,10 +106,6 @@ def test_a_dead_readers_mass_of_expired_locks_is_reaped_over_bounded_passes(l1: 
         assert l1.evict(CAPACITY, [obj.key for obj in waiting]) == []
         assert l1.lease_stats().lapsed_objects == reaped
         assert l1.generations(objects) == generations
-        serve_between_steps(l1, steps, offsets)
-        if not l1.reap_backlog:
-            break
-    assert reaped == MASS and steps > 1
     assert l1.stats().read_locks == 0
     assert l1.expire_locks(due, budget=BUDGET) == 0 and not l1.reap_backlog
 
@@ -106,13 +115,7 @@ def test_a_burst_of_expired_write_reservations_is_freed_over_bounded_passes(l1: 
     objects = list(reserved.values())
     due = max(obj.lock_deadline for obj in objects)
     offsets = {obj.offset for obj in objects}
-    reaped, steps = 0, 0
-    while True:
-        count = l1.expire_locks(due, budget=BUDGET)
-        assert count <= BUDGET
-        reaped += count
-        steps += 1
-        assert steps <= MOST_STEPS
+    for reaped in reap_in_bounded_passes(l1, due, offsets):
         writing = [obj for obj in objects if l1.get(obj.key) is obj]
         assert len(writing) == MASS - reaped
         assert all(obj.state is ObjectState.WRITING for obj in writing)
@@ -121,10 +124,6 @@ def test_a_burst_of_expired_write_reservations_is_freed_over_bounded_passes(l1: 
         stats = l1.lease_stats()
         assert stats.quarantined_expired == reaped and stats.quarantined_extents == reaped
         assert l1.used_bytes == MASS * ALIGN
-        serve_between_steps(l1, steps, offsets)
-        if not l1.reap_backlog:
-            break
-    assert reaped == MASS and steps > 1
     assert l1.stats().write_locked == 0
 
 
