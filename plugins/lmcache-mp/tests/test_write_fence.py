@@ -62,6 +62,18 @@ def fenced_by_the_front_end(server: TiersServer) -> bool:
     return leases(server)["fenced_extents"] == 1 and bool(transfers_of(server).writes.fenced)
 
 
+def fence_a_stalled_store(server: TiersServer, writer: MPClient, other: MPClient) -> tuple[str, Key]:
+    """Register both clients, and leave the writer's reservation of one chunk uncopied
+    until the server's short write TTL has expired and fenced it: the segment's name and
+    the stalled chunk."""
+    shm: str = writer.register(WRITER)["shm_name"]
+    other.register(OTHER)
+    stalled = one_chunk(1, "stalled")
+    prepare(writer, stalled)
+    wait_for(lambda: fenced_by_the_front_end(server), "the expired reservation fenced")
+    return shm, stalled
+
+
 def test_a_late_copy_of_a_stalled_client_never_lands_in_another_object(make_mp_server: Any) -> None:
     server = make_mp_server(l1_size_gb=SMALL_L1_GB)
     with MPClient(mp_address(server)) as writer, MPClient(mp_address(server)) as other:
@@ -111,11 +123,7 @@ def test_stores_are_refused_while_fenced_reservations_reach_their_bound(make_mp_
     transfers = transfers_of(server)
     transfers.fenced_bytes_bound = SIZE  # one fenced chunk reaches it
     with MPClient(mp_address(server)) as writer, MPClient(mp_address(server)) as other:
-        shm = writer.register(WRITER)["shm_name"]
-        other.register(OTHER)
-        stalled = one_chunk(1, "stalled")
-        prepare(writer, stalled)
-        wait_for(lambda: fenced_by_the_front_end(server), "the expired reservation fenced")
+        shm, stalled = fence_a_stalled_store(server, writer, other)
         # Any client's store is refused: no slots, so it skips its copy and commit.
         assert prepare(other, one_chunk(2, "next"), OTHER) == []
         stats = mp_stats(server)
@@ -133,11 +141,7 @@ def test_a_range_whose_expired_reservation_is_outstanding_is_not_reserved_again_
 ) -> None:
     server = make_mp_server(**SHORT_TTL)
     with MPClient(mp_address(server)) as writer, MPClient(mp_address(server)) as other:
-        shm = writer.register(WRITER)["shm_name"]
-        other.register(OTHER)
-        stalled = one_chunk(1, "stalled")
-        prepare(writer, stalled)
-        wait_for(lambda: fenced_by_the_front_end(server), "the expired reservation fenced")
+        shm, stalled = fence_a_stalled_store(server, writer, other)
         # A second reservation of the range would make its commit ambiguous: which copy ended?
         assert prepare(writer, stalled) == []
         assert mp_stats(server).store_keys_refused["mp_store_refused_fenced"] == 1
