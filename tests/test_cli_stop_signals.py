@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from thirdparty import stop_signals_at_default
+from thirdparty import launch_script
 
 #: how long a held process waits for a signal the test sends at once: only a process
 #: that ignores it waits this out (and then ends on its own, failing the test)
@@ -50,17 +49,6 @@ main(["plugins", "list"])
 """
 
 
-def _launch(script: str, *argv: str) -> subprocess.Popen[str]:
-    """``python -c script *argv``, its stop signals at their default action."""
-    return subprocess.Popen(
-        [sys.executable, "-c", script, *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=stop_signals_at_default(),
-    )
-
-
 def _wait_for(marker: Path, process: subprocess.Popen[str]) -> None:
     deadline = time.monotonic() + 120
     while not marker.exists():
@@ -74,7 +62,7 @@ def test_a_signal_after_a_swallowed_one_still_ends_the_command(tmp_path: Path, s
     """The first SIGTERM put both signals to SIG_IGN before raising: swallowed on its way
     out, it left the command running deaf to SIGTERM and Ctrl-C."""
     marker = tmp_path / "swallowed"
-    process = _launch(_SWALLOWED, str(marker), str(HOLD_S))
+    process = launch_script(_SWALLOWED, str(marker), str(HOLD_S))
     try:
         _wait_for(Path(f"{marker}.held"), process)
         process.send_signal(signal.SIGTERM)
@@ -128,7 +116,7 @@ def test_sigterm_as_serve_lingers_for_stuck_threads_ends_it(tmp_path: Path) -> N
     marker = tmp_path / "lingering"
     args = ["serve", "--no-default-l2", "--l1-size-gb", "0.01", "--disable-metrics"]
     args += ["--host", f"ipc://{tmp_path / 'rpc.sock'}"]
-    process = _launch(_STOPPED_SERVE, str(marker), *args)
+    process = launch_script(_STOPPED_SERVE, str(marker), *args)
     try:
         _wait_for(marker, process)
         process.send_signal(signal.SIGTERM)

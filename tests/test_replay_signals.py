@@ -12,14 +12,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from replay_helpers import BLOCK_BYTES, output_of_killed, small_trace, start_block_server
-from thirdparty import launch_cli
-from tiers_e2e import stop_signals_at_default
+from thirdparty import launch_cli, launch_script
 
 from lmcache_tiers.client import Client
 
@@ -52,19 +50,8 @@ main(sys.argv[1:])
 """
 
 
-def _launch(script: str, *argv: str) -> subprocess.Popen[str]:
-    """``python -c script *argv``, its stop signals at their default action."""
-    return subprocess.Popen(
-        [sys.executable, "-c", script, *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=stop_signals_at_default(),
-    )
-
-
 def _launch_held(module: str, attribute: str, marker: Path, args: list[str]) -> subprocess.Popen[str]:
-    return _launch(_HOOK, module, attribute, str(marker), *args)
+    return launch_script(_HOOK, module, attribute, str(marker), *args)
 
 
 #: run in the replay's process before the command: the import of MODULE creates the file
@@ -284,7 +271,7 @@ def test_ctrl_c_as_the_replay_loads_its_modules_is_one_line(tmp_path: Path) -> N
     not a word: typer turns a KeyboardInterrupt into a silent exit."""
     marker = tmp_path / "importing"
     args = ["replay", str(small_trace(tmp_path / "t.jsonl")), "--simulate"]
-    replay = _launch(_HELD_IMPORT, "lmcache_tiers.replay.run", str(marker), *args)
+    replay = launch_script(_HELD_IMPORT, "lmcache_tiers.replay.run", str(marker), *args)
     code, out, err = _signal_once_held(replay, marker, signal.SIGINT)
     assert code == 130, err
     assert out == ""
@@ -323,7 +310,7 @@ def test_a_signal_as_the_entry_point_imports_is_one_line(tmp_path: Path, sig: in
     assert "sys.exit(main())" in _ENTRY_POINT_HELD
     marker = tmp_path / "importing"
     args = ["replay", str(small_trace(tmp_path / "t.jsonl")), "--simulate"]
-    replay = _launch(_ENTRY_POINT_HELD, "typer", str(marker), *args)
+    replay = launch_script(_ENTRY_POINT_HELD, "typer", str(marker), *args)
     code, out, err = _signal_once_held(replay, marker, sig)
     assert code == 128 + sig, err
     assert out == ""

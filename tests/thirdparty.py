@@ -171,6 +171,18 @@ def launch_cli(args: list[str], site: Path | None = None, **env: str) -> subproc
     )
 
 
+def launch_script(script: str, *argv: str) -> subprocess.Popen[str]:
+    """``python -c script *argv``, its stop signals at their default action; stdout and
+    stderr are pipes for ``communicate``."""
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=stop_signals_at_default(),
+    )
+
+
 def wait_for(server: ServerProcess, condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
     """Poll ``condition`` until it holds; fail with the server's output after ``timeout``."""
     deadline = time.monotonic() + timeout
