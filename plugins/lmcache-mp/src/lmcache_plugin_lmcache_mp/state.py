@@ -339,7 +339,9 @@ class PendingTransfers:
             kept = []
             for transfer in transfers:
                 writer = transfer.writer
-                if writer is not None and exited.setdefault(writer, writer.exited()):
+                if writer is not None and writer not in exited:
+                    exited[writer] = writer.exited()
+                if writer is not None and exited[writer]:
                     taken.append(transfer)
                 else:
                     kept.append(transfer)
