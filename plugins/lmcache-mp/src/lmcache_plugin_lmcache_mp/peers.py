@@ -9,11 +9,14 @@ picks itself may come back from another process, so the process is never taken f
 identity alone.
 
 A lookup is made once per connection, told apart by the inode of the server's socket
-(unique while the socket is open; a descriptor number is reused once it closes).  Were
-the descriptor already another connection's when read (the client's connection closed
-and the number reused between its message's arrival and this read), the reply to that
-prepare cannot reach the client either (its connection is gone), so it never learns its
-slots and never copies into them.
+(unique while the socket is open; a descriptor number is reused once it closes).  Left:
+were the descriptor already another connection's when read (the client's connection
+closed and the number went to a new connection between its message's arrival and this
+read), the store would wait for that connection's process instead.  A client with an
+automatic routing identity never gets that prepare's reply (its connection is gone, and
+it comes back under a new identity), so never copies; one that chose its identity and
+reconnected in that window does get it, and its fence could be lifted at the other
+process's exit.
 
 A connection whose process cannot be told (a remote client, one in a pid namespace not
 visible here, a failed lookup) keeps the fences of its stores until their commit or its
