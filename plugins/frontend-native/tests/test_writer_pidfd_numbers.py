@@ -9,10 +9,13 @@ arena; the descriptors below 1100 are taken first, so its pidfd is numbered past
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from lmcache_plugin_frontend_native.writers import WriterProcesses
 
 #: maps argv[1], says so, then waits to be killed
@@ -26,6 +29,20 @@ time.sleep(3600)
 HIGH_FD = 1100
 
 
+@pytest.fixture
+def descriptors_past_high_fd() -> Iterator[None]:
+    """A soft limit on open files above HIGH_FD (many machines start at 1024), put back after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = HIGH_FD + 64
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        pytest.skip(f"open files limited to {hard}")
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.usefixtures("descriptors_past_high_fd")
 def test_a_pidfd_numbered_past_1024_tells_the_exit(tmp_path: Path) -> None:
     arena = tmp_path / "arena"
     arena.write_bytes(bytes(4096))
