@@ -7,6 +7,7 @@ import os
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.plugin import FrontendStats
 from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.testing.frontend import store_keys_accounted
 
 
 def keys_of(count: int) -> list[ObjectKey]:
@@ -23,12 +24,8 @@ def stats_of(server: TiersServer) -> FrontendStats:
 
 
 def keys_accounted(server: TiersServer) -> int:
-    """The store keys the native front end accounts for: stored, skipped and refused.
-    Every key a store names is one of these, once, however its request ended."""
-    stats = stats_of(server)
-    return (
-        stats.store_chunks + sum(stats.store_keys_skipped.values()) + sum(stats.store_keys_refused.values())
-    )
+    """``store_keys_accounted`` of the native front end."""
+    return store_keys_accounted(stats_of(server))
 
 
 def leases_of(server: TiersServer) -> dict[str, int]:

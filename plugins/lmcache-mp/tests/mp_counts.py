@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lmcache_tiers.plugin import FrontendStats
 from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.testing.frontend import store_keys_accounted
 
 
 def mp_stats(server: TiersServer) -> FrontendStats:
@@ -13,9 +14,5 @@ def mp_stats(server: TiersServer) -> FrontendStats:
 
 
 def keys_accounted(server: TiersServer) -> int:
-    """The store keys the LMCache front end accounts for: stored, skipped and refused.
-    Every key a store names is one of these, once, however its request ended."""
-    stats = mp_stats(server)
-    return (
-        stats.store_chunks + sum(stats.store_keys_skipped.values()) + sum(stats.store_keys_refused.values())
-    )
+    """``store_keys_accounted`` of the LMCache front end."""
+    return store_keys_accounted(mp_stats(server))

@@ -26,13 +26,13 @@ import pytest
 import zmq
 
 from lmcache_tiers.config import FrontendConfig, ServerConfig, build_config
-from lmcache_tiers.frontend import Frontend, create_frontend
+from lmcache_tiers.frontend import Frontend, FrontendStats, create_frontend
 from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.registry import Kind
 from lmcache_tiers.storage import StorageManager
 from lmcache_tiers.testing.base import ComponentSuite
 
-__all__ = ["FrontendDriver", "FrontendSuite"]
+__all__ = ["FrontendDriver", "FrontendSuite", "store_keys_accounted"]
 
 #: messages no protocol takes for a request
 JUNK: list[list[bytes]] = [
@@ -82,6 +82,14 @@ class FrontendDriver(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the connection."""
+
+
+def store_keys_accounted(stats: FrontendStats) -> int:
+    """The store keys a front end's counters account for: stored, skipped and refused.
+    Every key a store names is one of these, once, however its request ended."""
+    return (
+        stats.store_chunks + sum(stats.store_keys_skipped.values()) + sum(stats.store_keys_refused.values())
+    )
 
 
 def payloads(request: int, count: int, size: int) -> list[bytes]:
