@@ -11,8 +11,7 @@ import time
 
 import pytest
 from native_keys import keys_of, leases_of, stats_of
-from native_stop import wait_for
-from test_write_fence import CHUNK, CuttableLink, outlive_write_ttl, read, stall_before_copy
+from test_write_fence import CHUNK, CuttableLink, drop_before_copy, outlive_write_ttl, read
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.server.app import TiersServer
@@ -27,17 +26,7 @@ def test_an_older_clients_store_dropped_mid_copy_stays_fenced_while_it_lives(
         with Client(link.url) as writer, Client(server.endpoint) as reader:
             # The client before 45bf14bd: nothing between its copy and its commit.
             monkeypatch.setattr(writer, "_greet_again_if_dropped", lambda: None)
-
-            def back() -> bool:
-                with writer._lock:
-                    writer._read_link_events()
-                    return writer._dropped and not writer._unlinked
-
-            def drop() -> None:
-                link.cut()
-                wait_for(back, "the client dropped and connected again")
-
-            stall_before_copy(writer, monkeypatch, drop)
+            drop_before_copy(writer, link, monkeypatch)
             assert writer.store([key], [bytes([0x5A]) * CHUNK]) == 0
             monkeypatch.undo()
             assert stats_of(server).store_keys_refused["reservation_lost"] == 1

@@ -286,6 +286,22 @@ class CuttableLink:
         self.cut()
 
 
+def drop_before_copy(writer: Client, link: CuttableLink, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cut the writer's connection after its check of its slots, before its copy, and let
+    the copy go on once the client has connected again (a new identity to the server)."""
+
+    def back() -> bool:
+        with writer._lock:
+            writer._read_link_events()
+            return writer._dropped and not writer._unlinked
+
+    def drop() -> None:
+        link.cut()
+        wait_for(back, "the client dropped and connected again")
+
+    stall_before_copy(writer, monkeypatch, drop)
+
+
 def test_a_store_whose_connection_dropped_mid_copy_is_committed_not_fenced(
     server: TiersServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -297,17 +313,7 @@ def test_a_store_whose_connection_dropped_mid_copy_is_committed_not_fenced(
     link = CuttableLink(server.endpoint)
     try:
         with Client(link.url) as writer, Client(server.endpoint) as reader:
-
-            def back() -> bool:
-                with writer._lock:
-                    writer._read_link_events()
-                    return writer._dropped and not writer._unlinked
-
-            def drop() -> None:
-                link.cut()
-                wait_for(back, "the client dropped and connected again")
-
-            stall_before_copy(writer, monkeypatch, drop)
+            drop_before_copy(writer, link, monkeypatch)
             assert writer.store([key], [bytes([0x5A]) * CHUNK]) == 1
             monkeypatch.undo()
             assert read(reader, key) == bytes([0x5A]) * CHUNK
