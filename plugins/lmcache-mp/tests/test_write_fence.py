@@ -11,9 +11,11 @@ own sweeps expire the reservation: no timing assertions.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
+import pytest
 from mp_counts import mp_stats
 from mpclient import CHUNK_TOKENS, Key, MPClient, Registration, mp_address, tokens_of, wait_for
 
@@ -150,9 +152,12 @@ def test_a_range_whose_expired_reservation_is_outstanding_is_not_reserved_again_
         assert leases(server)["fenced_extents"] == 1
 
 
-def test_the_reservations_of_a_reaped_instance_are_not_handed_to_other_chunks(make_mp_server: Any) -> None:
+def test_the_reservations_of_a_reaped_instance_are_not_handed_to_other_chunks(
+    make_mp_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     """A client stalled before its copy is silent: reaped, its instance's reservations
     used to be aborted, their extents free for the next store under its late copy."""
+    caplog.set_level(logging.INFO, logger="lmcache_plugin_lmcache_mp")
     server = make_mp_server(l1_size_gb=SMALL_L1_GB, worker_registration_grace_s=0.3)
     frontend: Any = server.frontends[0]
     with MPClient(mp_address(server)) as writer, MPClient(mp_address(server)) as other:
@@ -164,6 +169,9 @@ def test_the_reservations_of_a_reaped_instance_are_not_handed_to_other_chunks(ma
         assert other.store(one_chunk(2, "victim"), OTHER.instance_id, [b"\x11" * SIZE], shm)
         writer.segment(shm)[slot["offset"] : slot["offset"] + slot["length"]] = b"\xee" * SIZE
         assert other.retrieve(one_chunk(2, "victim-read"), OTHER.instance_id, shm) == [b"\x11" * SIZE]
+        # its log line says what happened to its stores: not aborted, left to their deadline
+        assert "unfinished stores left to their write deadline" in caplog.text
+        assert "stores aborted" not in caplog.text
         # left to the write TTL, then fenced as any reservation never committed
         outlive_write_ttl(server)
         assert leases(server)["fenced_extents"] == 1

@@ -286,6 +286,16 @@ class Handlers:
             )
             return
         locks, reservations = self.transfers.drop_instance(instance_id, peer, copies_ended=copies_ended)
+        if peer is None:
+            # Reaped for its silence: its stores are left to their write deadline (a silent
+            # client may be one stalled before its copy), so none is aborted here.
+            logger.info(
+                "unregistered instance %d (%d read locks released, unfinished stores left to "
+                "their write deadline)",
+                instance_id,
+                locks,
+            )
+            return
         logger.info(
             "unregistered instance %d (%d read locks released, %d unfinished stores aborted)",
             instance_id,
