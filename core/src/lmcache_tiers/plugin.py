@@ -36,7 +36,9 @@ What each kind of plugin needs:
   layout a record states);
 * a front end: ``Frontend``, ``FrontendConfig``, ``FrontendContext``, ``FrontendStats``,
   ``ServerConfig``, ``StorageManager`` (what it serves), ``RouterLoop`` (a ZeroMQ ROUTER
-  loop), ``L1Loan``, ``is_loopback``, the key helpers ``NONE_HASH``, ``chunk_hashes``,
+  loop), the process at the far end of a connection ``watch_peer`` / ``PeerProcess`` and
+  a pidfd's exit ``pidfd_exited``, ``L1Loan``, ``is_loopback``, the key helpers ``NONE_HASH``,
+  ``chunk_hashes``,
   ``kv_rank_of``, ``L1OutOfMemoryError``; the native protocol's Structs
   ``wire_protocol``, ``segment_identity`` and ``SHM_DIR`` (shared with the Python client), and
   ``decode_request`` with its ``KeyCache`` (a server's decoding of request headers);
@@ -182,6 +184,7 @@ if TYPE_CHECKING:
     from lmcache_tiers.l2.verified import VERIFY_PIECE, copy_and_checksum, copy_verified, read_record_file
     from lmcache_tiers.l2.workers import BatchWorkers
     from lmcache_tiers.layout import MAX_LAYOUT_LEN, TensorLayout
+    from lmcache_tiers.peer_process import PeerProcess, pidfd_exited, watch_peer
     from lmcache_tiers.router import RouterLoop
     from lmcache_tiers.serde import SerdeContext
     from lmcache_tiers.storage import StorageManager
@@ -297,6 +300,9 @@ _LAZY = {
     "FrontendSuite": "lmcache_tiers.testing.frontend",
     "L1Loan": "lmcache_tiers.l1.loan",
     "RouterLoop": "lmcache_tiers.router",
+    "PeerProcess": "lmcache_tiers.peer_process",
+    "watch_peer": "lmcache_tiers.peer_process",
+    "pidfd_exited": "lmcache_tiers.peer_process",
     "StorageManager": "lmcache_tiers.storage",
     "segment_identity": "lmcache_tiers.wire.shm",
     "SHM_DIR": "lmcache_tiers.tmpfs",
@@ -407,6 +413,7 @@ __all__ = [
     "PartialFailure",
     "PathLock",
     "PayloadVerifier",
+    "PeerProcess",
     "PrefetchPolicy",
     "PrefetchPolicySuite",
     "ProcessClaim",
@@ -466,6 +473,7 @@ __all__ = [
     "kv_rank_of",
     "log_unreadable_header",
     "name_to_key",
+    "pidfd_exited",
     "plan_from_lowest_index",
     "printable",
     "read_record_file",
@@ -475,6 +483,7 @@ __all__ = [
     "redact_url_secrets",
     "segment_identity",
     "verify_payload",
+    "watch_peer",
     "wire_protocol",
 ]
 

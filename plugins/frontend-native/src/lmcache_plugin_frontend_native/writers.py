@@ -25,7 +25,7 @@ import contextlib
 import os
 from collections.abc import Callable
 
-from lmcache_tiers.peer_process import pidfd_exited
+from lmcache_tiers.plugin import pidfd_exited
 
 #: HELLO pids kept (past it, the oldest of a peer holding nothing is dropped): a peer
 #: picks its identity, so the table is bounded

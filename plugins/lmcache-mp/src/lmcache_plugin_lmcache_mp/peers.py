@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import weakref
 
-from lmcache_tiers.peer_process import PeerProcess, watch_peer
+from lmcache_tiers.plugin import PeerProcess, watch_peer
 
 #: connections whose lookup is remembered (past it, the oldest is forgotten and looked up
 #: again if it stores again); stores keep their own watch, so forgetting loses nothing

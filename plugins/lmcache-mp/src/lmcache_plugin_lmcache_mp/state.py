@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmcache_plugin_lmcache_mp.chunks import LOOKUP_KEY_BYTES, HashCache
-from lmcache_tiers.peer_process import PeerProcess
-from lmcache_tiers.plugin import ObjectKey, TensorLayout
+from lmcache_tiers.plugin import ObjectKey, PeerProcess, TensorLayout
 
 __all__ = ["Instance", "LookupJob", "PendingTransfers", "RequestTable", "Transfer"]
 
