@@ -38,7 +38,7 @@ def python_calls(work: Callable[[], Any]) -> list[str]:
 @pytest.mark.parametrize("adapters", [0, 1], ids=["l1-only", "with-l2"])
 def test_a_repeated_all_l1_lookup_calls_nothing_it_does_not_need(engine: Engine, adapters: int) -> None:
     """The lookup an engine repeats for a waiting prompt: no read-lock deadline rounded
-    afresh (the same for a grid step), no count of the distinct keys (a prefix that
+    afresh (the same for a grid cell), no count of the distinct keys (a prefix that
     every key hit holds each once), no guard entered and left around the eviction
     policy's notice (a plain ``try`` costs nothing until it raises), no open check or
     inner begin called."""
@@ -50,6 +50,12 @@ def test_a_repeated_all_l1_lookup_calls_nothing_it_does_not_need(engine: Engine,
 
     outcome: list[tuple[int, list[ObjectKey] | None]] = []
     called = python_calls(lambda: outcome.append(storage.start_prefetch(keys)))
+    if "read_lock_deadline" in called:
+        # The clock crossed into the next grid cell (seconds long) since the first lookup:
+        # that one rounds once; the next, right after, must not.
+        storage.release(keys, 1)
+        outcome.clear()
+        called = python_calls(lambda: outcome.append(storage.start_prefetch(keys)))
 
     assert outcome[0][1] == keys
     unneeded = {
@@ -60,12 +66,14 @@ def test_a_repeated_all_l1_lookup_calls_nothing_it_does_not_need(engine: Engine,
         "StorageManager._check_open",
         "PrefetchController._begin",
     }
-    assert unneeded.isdisjoint(called), called
+    assert unneeded.isdisjoint(called), sorted(unneeded.intersection(called))
     # What it does need: the policy hears of the hits, and the lookup is counted.
     assert "LRUEvictionPolicy.on_keys_read" in called
     assert "EngineStats.add_lookup" in called
     requests = storage.status()["requests"]
-    assert (requests["lookups"], requests["lookup_keys"], requests["l1_hit_chunks"]) == (2, 32, 32)
+    lookups = requests["lookups"]
+    assert lookups in (2, 3)
+    assert (requests["lookup_keys"], requests["l1_hit_chunks"]) == (16 * lookups, 16 * lookups)
     storage.release(keys, 1)
     assert storage.l1.stats().read_locks == 0
 

@@ -86,16 +86,24 @@ class ReadLocks:
 
     def lock_deadline(self, now: float) -> float:
         """``read_lock_deadline(now, self.lock_ttl_s)``, the very float, rounded afresh once
-        per half grid step instead of on every lookup.  It is monotonic in ``now``: equal at
-        two times, it is equal at every time between them.  Called under the L1 lock."""
+        per grid cell instead of on every lookup.  It is monotonic in ``now``: equal at two
+        times, it is equal at every time between them, so a span whose both ends give the
+        deadline holds it throughout.  Called under the L1 lock."""
         first, last, deadline = self._deadline_span
         if first <= now <= last:
             return deadline
         ttl = self.lock_ttl_s
         deadline = read_lock_deadline(now, ttl)
-        later = deadline - ttl - ttl / LOCK_GRID_STEPS / 2  # NaN for an infinite TTL
-        if later > now and read_lock_deadline(later, ttl) == deadline:
-            self._deadline_span = (now, later, deadline)
+        cell_end = deadline - ttl  # NaN for an infinite TTL
+        step = ttl / LOCK_GRID_STEPS
+        # The cell's end, else a little short of it (a rounding error of the subtraction
+        # may put the end in the next cell), else its middle: the first such time after
+        # ``now`` that gives the same deadline, so wherever in its cell ``now`` falls, the
+        # lookups after it, until near the cell's end, take the deadline as it is.
+        for later in (cell_end, cell_end - step / 1024, cell_end - step / 2):
+            if later > now and read_lock_deadline(later, ttl) == deadline:
+                self._deadline_span = (now, later, deadline)
+                break
         return deadline
 
     def prefix_hits(self, keys: Sequence[ObjectKey]) -> int:
