@@ -60,12 +60,29 @@ def test_board_failures_and_late_completions() -> None:
 def test_board_fds_live_until_the_board_is_collected() -> None:
     board = TaskBoard()
     fds = [board.event_fd(op) for op in L2Op]
-    os.fstat(fds[0])
+    for fd in fds:
+        os.eventfd_write(fd, MARK)
+    assert all(eventfd_count(fd) == MARK for fd in fds)
     del board
     gc.collect()
-    for fd in fds:
-        with pytest.raises(OSError):
-            os.fstat(fd)
+    # Closed: the number names nothing, or (another thread of the test process opened a
+    # descriptor meanwhile, which takes the lowest free number) something without the mark.
+    assert [fd for fd in fds if eventfd_count(fd) == MARK] == []
+
+
+#: a count no other eventfd of the test process holds
+MARK = 0x5EED1E
+
+
+def eventfd_count(fd: int) -> int | None:
+    """The count of the eventfd open as ``fd`` (None: nothing open there, or no eventfd)."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as info:
+            fields = dict(line.split(":", 1) for line in info if ":" in line)
+    except OSError:
+        return None
+    count = fields.get("eventfd-count")
+    return int(count.strip(), 16) if count is not None else None
 
 
 def test_pins_count_and_block_deletes() -> None:
