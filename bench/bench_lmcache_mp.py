@@ -57,7 +57,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_args import BenchParser
-from bench_server import free_port, measure_floor
+from bench_server import free_port, measure_floor, run_bench_keys
 from run_all import interruptible
 
 CACHE_HOME = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
@@ -392,7 +392,7 @@ def main() -> None:
                         pooled = samples.setdefault((with_l2, system), {name: [] for name in FIGURES})
                         for name, values in run_slice(system, running[system][1], first, args, work).items():
                             pooled[name].extend(values)
-                floors_us.append(measure_floor("tcp", 4)[1])
+                floors_us.append(measure_floor("tcp", run_bench_keys(4))[1])
             finally:
                 for proc, _ in running.values():
                     stop(proc)
