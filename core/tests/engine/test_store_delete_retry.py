@@ -141,6 +141,55 @@ def test_a_store_waiting_for_a_delete_that_never_ends_is_counted_at_the_stop(eng
                 thread.join(30)
 
 
+def test_a_store_waiting_for_a_delete_past_its_deadline_is_given_up_and_the_flush_ends(
+    engine, monkeypatch
+) -> None:
+    storage = engine([evicting_adapter()])
+    (key,) = keys_of(7, 1)
+    store_in_l2_only(storage, [key], SIZE)
+    deletes = ParkedDeletes(storage, monkeypatch)
+    controller = storage.l2_evictions[0]
+    # Past its deadline before or after the store meets it: the key is given up either way.
+    controller.delete_deadline_s = 0.01
+    evicting = threading.Thread(target=controller.evict, args=(SIZE,), daemon=True)
+    evicting.start()
+    try:
+        assert deletes.arrived.wait(10), "the eviction never deleted the key"
+        assert store(storage, [key], SIZE) == [key]
+        assert wait_for(lambda: storage.stats.failures().get("l2_store_retried_after_delete") == 1)
+        # The delete is still parked: the flush ends without it, the key given up and counted.
+        assert storage.flush(10), "a flush waited for a store behind a delete past its deadline"
+        failures = storage.stats.failures()
+        assert failures.get("l2_eviction_delete_timeout") == 1, failures
+        assert failures.get("l2_store_given_up_delete_hung") == 1, failures
+        assert storage.adapters[0].stats().get("store_skipped_deleting") == 1
+        assert storage.stats.adapter(0).get("keys_store_failed") == 1
+        obj = storage.l1.get(key)
+        assert obj is not None and not obj.unstored, "the given-up key is L1's, settled"
+        assert "l2_store_failed" not in failures
+    finally:
+        deletes.gate.set()
+        evicting.join(30)
+        for thread in threading.enumerate():
+            if thread.name.endswith("-delete"):
+                thread.join(30)
+    assert storage.flush(10)
+    assert storage.stats.failures().get("l2_store_given_up_delete_hung") == 1, "given up once"
+
+
+def test_only_the_keys_of_an_overdue_delete_are_hung() -> None:
+    deletes = L2Deletes()
+    first, second, third = keys_of(8, 3)
+    deletes.begin([first])
+    deletes.begin([second])
+    deletes.overdue([second, third])  # ``third``'s delete is not running: nothing to mark
+    assert deletes.hung([first, second, third]) == [second]
+    deletes.end([second])
+    assert deletes.hung([second]) == []
+    deletes.begin([second])  # a new delete of it is not overdue
+    assert deletes.hung([first, second]) == []
+
+
 def test_deletes_no_store_met_are_forgotten_though_the_adapter_stores_nothing(engine) -> None:
     # Its store completions never wake the controller: the ended deletes are forgotten at
     # the wake-up their end brings, not kept (up to ENDED_MAX keys) for stores never made.

@@ -8,6 +8,12 @@ controller notes its deletes here (``begin`` .. ``end``), and the store controll
 a key a store task failed, whether a delete of it ran while the task did
 (``raced``); such a key is stored again once the delete ended.
 
+A delete past its eviction's deadline (``overdue``: the backend may never answer) is no
+delete to wait for: the store controller gives up the keys waiting for it (``hung``), counted,
+rather than hold them -- and a flush with them -- until the drain deadline.  It cannot store
+them meanwhile: the adapter refuses a store of a key being deleted, and a store let through
+could land before the delete and be removed by it, an acknowledged write lost.
+
 Ended deletes are remembered by the number of delete events (begins and ends) so far,
 since a store task records that number when submitted: the store controller forgets those
 that ended before its oldest task of the adapter was submitted (``forget_before``), and
@@ -33,6 +39,8 @@ class L2Deletes:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running: Counter[ObjectKey] = Counter()
+        #: of the running keys, those whose delete is past its eviction's deadline
+        self._overdue: Counter[ObjectKey] = Counter()
         #: key -> ``events`` when its last delete ended, oldest first.  Ordered, not a dict:
         #: the oldest are dropped one by one, and ``next(iter(d))`` on a dict scans every
         #: slot deleted before it (until a resize), so past ``ENDED_MAX`` each end cost
@@ -40,7 +48,8 @@ class L2Deletes:
         self._ended: OrderedDict[ObjectKey, int] = OrderedDict()
         #: begins and ends so far: a store task reads it when submitted
         self.events = 0
-        #: called after a delete ended (wakes the store controller); set once, before use
+        #: called after a delete ended or went overdue (wakes the store controller); set once,
+        #: before use
         self.on_end: Callable[[], None] | None = None
 
     def begin(self, keys: Sequence[ObjectKey]) -> None:
@@ -51,11 +60,12 @@ class L2Deletes:
     def end(self, keys: Sequence[ObjectKey]) -> None:
         with self._lock:
             self.events += 1
-            events, ended, running = self.events, self._ended, self._running
+            events, ended, running, overdue = self.events, self._ended, self._running, self._overdue
             for key in keys:
                 running[key] -= 1
                 if running[key] <= 0:
                     del running[key]
+                    overdue.pop(key, None)
                 ended[key] = events
                 ended.move_to_end(key)  # oldest first stays true
             while len(ended) > ENDED_MAX:
@@ -63,6 +73,20 @@ class L2Deletes:
         on_end = self.on_end
         if on_end is not None:
             on_end()
+
+    def overdue(self, keys: Sequence[ObjectKey]) -> None:
+        """The delete of ``keys`` (begun, not ended) is past its deadline: the stores waiting
+        for it are given up (``hung``)."""
+        with self._lock:
+            self._overdue.update(key for key in keys if key in self._running)
+        on_end = self.on_end
+        if on_end is not None:
+            on_end()
+
+    def hung(self, keys: Iterable[ObjectKey]) -> list[ObjectKey]:
+        """Those of ``keys`` a delete past its deadline is running on."""
+        with self._lock:
+            return [key for key in keys if key in self._overdue]
 
     def raced(self, keys: Iterable[ObjectKey], since: int) -> list[ObjectKey]:
         """Those of ``keys`` a delete is running on, or whose delete ended after ``events``

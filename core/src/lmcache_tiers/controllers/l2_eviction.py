@@ -634,6 +634,7 @@ class L2EvictionController(ControllerThread):
                 self._hung_delete = thread
                 if not self.stopping:  # shutdown going on without a delete is no hang
                     self._delete_past_deadline(len(batch))
+                    deletes.overdue(batch)  # the stores waiting for it give up
                 return None
         result = outcome[0]
         if isinstance(result, BaseException):

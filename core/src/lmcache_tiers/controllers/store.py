@@ -259,16 +259,47 @@ class StoreController(ControllerThread):
             slot.deletes.forget_before(seen.get(slot.index))
 
     def _release_after_delete(self) -> None:
-        """Hand the pacer the slices of keys stored again whose deletes have ended."""
+        """Hand the pacer the slices of keys stored again whose deletes have ended, and give
+        up the keys of those whose delete is past its deadline (``_give_up_after_delete``)."""
         if not self._after_delete:
             return
         waiting: list[Slice] = []
         for piece in self._after_delete:
-            if piece.slot.deletes.running(piece.keys):
-                waiting.append(piece)  # its end wakes this thread (``deletes.on_end``)
-            else:
+            deletes = piece.slot.deletes
+            if not deletes.running(piece.keys):
                 self._pacer.add(piece)
+                continue
+            hung = deletes.hung(piece.keys)
+            if hung:
+                piece = self._give_up_after_delete(piece, set(hung))
+            if piece.keys:
+                waiting.append(piece)  # its end or its deadline wakes this thread (``deletes.on_end``)
+            else:
+                self._part_ended(piece.batch)
         self._after_delete = waiting
+
+    def _give_up_after_delete(self, piece: Slice, hung: set[ObjectKey]) -> Slice:
+        """Give up storing the keys of ``piece`` in ``hung``, which wait for an L2 delete past
+        its deadline (the backend may never answer): counted and logged as failed stores, their
+        objects stay in L1 only.  Waiting on, they would hold a flush, and a stop's, until its
+        deadline; and they cannot be stored while that delete runs -- the adapter refuses
+        them, and one that landed before the delete would be removed by it.  Returns the
+        rest of the slice."""
+        slot, batch = piece.slot, piece.batch
+        given_up = [key for key in piece.keys if key in hung]
+        kept = [key for key in piece.keys if key not in hung]
+        self.stats.add_adapter(slot.index, "keys_store_failed", len(given_up))
+        self.stats.fail("l2_store_given_up_delete_hung", len(given_up))
+        self._burst.warn(
+            f"l2_store_given_up_delete_hung:{slot.index}",
+            "%d keys were not stored in %s: they wait for an L2 eviction's delete there that is "
+            "past its deadline; they stay in L1 only",
+            len(given_up),
+            slot.name,
+            count=len(given_up),
+        )
+        nbytes = sum(batch.objects[key].size for key in kept)
+        return Slice(slot, kept, nbytes, batch, piece.committed)
 
     def _prune_backlogs(self) -> None:
         """Drop the waiting slices of an adapter slower than the writes whose objects all
