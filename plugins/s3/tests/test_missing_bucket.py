@@ -1,7 +1,8 @@
 """A bucket removed while the adapter runs.  A lookup's HEAD answers a missing bucket with
 the same bare 404 as a missing object (its answer has no body to name either): the lookup
 must fail, counted ``bucket_missing``, not read as a miss -- which core takes for objects
-removed behind its back -- and the circuit opens as it does for a store that fails."""
+removed behind its back -- and the circuit opens as it does for a store that fails.  A
+delete's HEAD is answered so too, and the delete fails the same way."""
 
 from __future__ import annotations
 
@@ -72,6 +73,39 @@ def test_a_lookup_in_a_bucket_removed_mid_run_fails_counted_and_opens_the_circui
             assert client.lookup_and_lock(keys).found == [False] * 3
         stats = adapter.stats()
         assert stats.get("bucket_missing", 0) == 6, "the lookups read a missing bucket as absent keys"
+        assert stats["backend_errors"] == 2 and stats["circuit_open"] == 1
+    finally:
+        adapter.close()
+
+
+def test_a_delete_in_a_bucket_removed_mid_run_fails_counted(
+    seaweed: SeaweedS3,
+    bucket: tuple[str, s3fs.S3FileSystem],
+    l1: memoryview,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A delete's HEAD answers a missing bucket with the bare 404 of a missing object too:
+    # read as "nothing to remove", the delete answered "not deleted" as for absent keys,
+    # and the missing bucket was counted only by whatever lookup came next.
+    monkeypatch.setattr(lmcache_plugin_s3.client, "BUCKET_TRUSTED_S", 0.0)
+    name, fs = bucket
+    config = s3_config(
+        seaweed,
+        "gone-delete",
+        bucket=name,
+        circuit=CircuitConfig(failure_threshold=2, probe_interval_s=60.0),
+    )
+    adapter = open_adapter(config, l1)
+    try:
+        keys = make_keys(3)
+        remove_bucket(fs, name)
+        for _ in range(2):
+            assert adapter.delete(keys) == [False] * 3
+        stats = adapter.stats()
+        # A delete that failed asks no lookup after it (``delete_keys_checked``): the
+        # missing bucket is the delete's own count.
+        assert stats.get("delete_keys_checked", 0) == 0, "the deletes read a missing bucket as absent keys"
+        assert stats.get("bucket_missing", 0) == 6
         assert stats["backend_errors"] == 2 and stats["circuit_open"] == 1
     finally:
         adapter.close()

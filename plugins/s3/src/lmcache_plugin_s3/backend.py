@@ -216,11 +216,12 @@ class S3Backend:
         answer["Body"].close()
 
     async def _bucket_exists(self) -> None:
-        """Rule out a missing bucket behind a lookup's bare 404 -- a HEAD's answer has no
-        body to name "no such key" or "no such bucket" in -- by an answer of the last few
-        seconds that proved the bucket exists, else by asking for the probe's name (one
-        request shared by the lookups waiting on it); raises when the bucket is missing,
-        so the lookup fails (counted ``bucket_missing``) rather than reading as absent."""
+        """Rule out a missing bucket behind a lookup's or a delete's bare 404 -- a HEAD's
+        answer has no body to name "no such key" or "no such bucket" in -- by an answer of
+        the last few seconds that proved the bucket exists, else by asking for the probe's
+        name (one request shared by the calls waiting on it); raises when the bucket is
+        missing, so the call fails (counted ``bucket_missing``) rather than reading as
+        absent."""
         if self.client.bucket_vouched():
             return
         if self._bucket_check is None or self._bucket_check.done():
@@ -681,11 +682,15 @@ class S3Backend:
         reads it (lookups keep it as well).  The header copy of the HEAD tells; without
         one, the record's own header does.  An object read without an ETag is kept,
         counted (``delete_kept_without_etag``): its removal could only be unconditional,
-        and take a record another server stored there since."""
+        and take a record another server stored there since.  A bare 404 is checked as a
+        lookup's is: in a missing bucket the delete fails, counted (``bucket_missing``),
+        rather than reading as nothing to remove."""
         try:
             answer = await self.client.call("head_object", Key=name)
         except Exception as exc:
             if is_missing_object(exc):
+                if is_bare_not_found(exc):
+                    await self._bucket_exists()
                 return False
             raise
         etag = answer.get("ETag")
