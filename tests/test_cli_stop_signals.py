@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from thirdparty import launch_script
+from thirdparty import CLI, free_port, launch_script
+from tiers_e2e import stop_signals_at_default
 
 #: how long a held process waits for a signal the test sends at once: only a process
 #: that ignores it waits this out (and then ends on its own, failing the test)
@@ -125,3 +126,43 @@ def test_sigterm_as_serve_lingers_for_stuck_threads_ends_it(tmp_path: Path) -> N
         process.kill()
     assert process.returncode == -signal.SIGTERM, err
     assert "as the command started" not in err
+
+
+def test_sigterm_to_a_client_command_at_work_says_it_stopped_it(tmp_path: Path) -> None:
+    """status and bench have no stop handling of their own: a SIGTERM while they waited
+    for a server (their note printed, long after start-up) ended them with exit 143 and a
+    line saying it came "as the command started"."""
+    url = f"tcp://127.0.0.1:{free_port()}"  # nothing listens: each waits out --timeout
+    commands = {
+        "status": ["status", "--url", url, "--timeout", "300", "--json"],
+        "bench": ["bench", "--url", url, "--timeout", "300", "--chunks", "2", "--json"],
+    }
+    running: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
+    try:
+        for name, args in commands.items():
+            err_path = tmp_path / f"{name}.err"
+            with err_path.open("wb") as err:
+                process = subprocess.Popen(
+                    [*CLI, *args],
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    preexec_fn=stop_signals_at_default(),
+                )
+            running[name] = process, err_path
+        for name, (process, err_path) in running.items():
+            deadline = time.monotonic() + 120
+            while "note: no answer from" not in err_path.read_text():
+                assert process.poll() is None, (name, err_path.read_text())
+                assert time.monotonic() < deadline, (name, "never waited for the server")
+                time.sleep(0.05)
+            process.send_signal(signal.SIGTERM)
+        for name, (process, err_path) in running.items():
+            code = process.wait(HOLD_S)
+            lines = [line for line in err_path.read_text().splitlines() if line.strip()]
+            assert code == 128 + signal.SIGTERM, (name, lines)
+            assert lines[0].startswith("note: no answer from"), (name, lines)
+            assert lines[1:] == ["error: stopped by SIGTERM"], (name, lines)
+    finally:
+        for process, _err_path in running.values():
+            process.kill()
+            process.wait()

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from lmcache_tiers.cli.stop_signals import ended_at_start
+from lmcache_tiers.cli.stop_signals import command_running, ended_at_start
 
 if TYPE_CHECKING:
     import typer
@@ -62,6 +62,7 @@ def build_app(with_plugin_commands: bool = True) -> typer.Typer:
         ),
     ) -> None:
         """Two-level KV-cache storage server for LLM inference engines."""
+        command_running()  # the command line parsed as far as the command: start-up is over
 
     app.command("serve")(serve_cmd.make_serve(plugin_set))
     app.add_typer(plugins_cmd.app, name="plugins")

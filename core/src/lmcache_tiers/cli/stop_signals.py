@@ -20,6 +20,10 @@ from typing import Any
 #: the attribute that marks an exception a signal raised (``signalled``)
 SIGNAL_MARK = "replay_signal"
 
+#: set once start-up is over (``command_running``): a stop signal from then on stopped the
+#: command, it did not come as the command started
+_running = threading.Event()
+
 
 def unwinding(signum: int) -> BaseException:
     """What a stop signal raises where the command is: KeyboardInterrupt for SIGINT,
@@ -62,10 +66,18 @@ def handed_over() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def command_running() -> None:
+    """Start-up is over: the command line is parsed and the command's own code runs.  A
+    stop signal from here on is reported as stopping the command (a client waiting for
+    its server, a plugin's command at work), not as having come while it started."""
+    _running.set()
+
+
 @contextlib.contextmanager
 def ended_at_start() -> Iterator[None]:
     """Run the command with SIGTERM raising (SIGINT raises KeyboardInterrupt already); a
-    stop signal nothing else reported is one line on stderr and exit 128 + the signal.
+    stop signal nothing else reported is one line on stderr and exit 128 + the signal:
+    "as the command started" before :func:`command_running`, "stopped by" after it.
 
     A signal the process inherited ignored stays ignored (a server started in a script's
     background keeps SIGINT ignored, and serve tells that case by it).  The handlers from
@@ -73,6 +85,7 @@ def ended_at_start() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    _running.clear()  # (tests run the entry point many times in one process)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     if previous[signal.SIGTERM] == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _raise_stop)
@@ -82,8 +95,12 @@ def ended_at_start() -> Iterator[None]:
         signum = signalled(exc)
         if signum is None:
             raise  # sys.exit() of an error already reported
+        name = signal.Signals(signum).name
         # Written as it is: the console module may be what was importing.
-        sys.stderr.write(f"error: interrupted ({signal.Signals(signum).name}) as the command started\n")
+        if _running.is_set():
+            sys.stderr.write(f"error: stopped by {name}\n")
+        else:
+            sys.stderr.write(f"error: interrupted ({name}) as the command started\n")
         sys.stderr.flush()
         raise SystemExit(128 + signum) from None
     finally:
