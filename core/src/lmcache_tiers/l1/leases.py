@@ -121,6 +121,14 @@ class ExtentLeases:
         # look each, paid for by the hold that pushed it.  Numbers only, which the garbage
         # collector stops tracking: 100k quarantined at once brought full collections.
         self._ends: list[tuple[float, int]] = []
+        # Extents held for the grace period of expired locks alone (no reader left on
+        # them, no store reading them, no writer fenced): the bulk of a mass expiry.  Each
+        # is kept as its object (tracked by the garbage collector already, and long-lived)
+        # and a float, so that holding one allocates nothing the collector keeps tracking:
+        # a ``_Held`` record each made 100k write reservations past their TTL pile up
+        # survivors that brought full collections of ~80 ms into the reap passes.
+        self._expired: dict[int, L1Object] = {}
+        self._expired_until: dict[int, float] = {}
         self.quarantined_bytes = 0
         self.fenced_bytes = 0
         self._fenced = 0
@@ -166,7 +174,10 @@ class ExtentLeases:
                 self._hold(obj, readers, until, not_before=lapsed_until)
                 taken += 1
             elif lapsed_until > now:
-                self._hold(obj, 0, lapsed_until)
+                if obj.storing:
+                    self._hold(obj, 0, lapsed_until)  # and pinned at its lease end
+                else:
+                    self._hold_expired(obj, lapsed_until)
                 self._counts["expired"] += 1
             elif obj.storing:
                 self._hold(obj, 0, now)  # pinned only: goes back when its store reports
@@ -215,6 +226,15 @@ class ExtentLeases:
             self._held.setdefault(obj.key, []).append(entry)
         self._end_at(entry, until)
 
+    def _hold_expired(self, obj: L1Object, until: float) -> None:
+        """Hold ``obj``'s extent until ``until``, the end of its expired locks' grace period;
+        nothing but that time gives it back."""
+        offset = obj.offset
+        self._expired[offset] = obj
+        self._expired_until[offset] = until
+        self.quarantined_bytes += obj.extent_bytes
+        heapq.heappush(self._ends, (until, offset))
+
     def _end_at(self, entry: _Held, until: float) -> None:
         """``entry`` is reclaimed at ``until`` (a fenced one never: ``writers_done`` only)."""
         entry.until = until
@@ -253,7 +273,9 @@ class ExtentLeases:
 
     def holds(self, obj: L1Object) -> bool:
         entry = self._by_offset.get(obj.offset)
-        return entry is not None and entry.obj is obj
+        if entry is not None:
+            return entry.obj is obj
+        return self._expired.get(obj.offset) is obj
 
     def credit(self, key: ObjectKey, count: int, now: float) -> int:
         """``count`` locks on ``key`` were released: credit them to its quarantined extents,
@@ -310,14 +332,25 @@ class ExtentLeases:
         if self._lapsed:
             self._prune_lapsed(now, budget)
         ends, by_offset = self._ends, self._by_offset
+        expired, expired_until = self._expired, self._expired_until
         looks = len(ends) if budget is None else budget
         # An entry pushed again at the same end comes up twice: a dict takes it once.
         due: dict[_Held, None] = {}
+        lapsed_offsets: list[int] = []  # of ``_expired``'s extents due
+        lapsed_bytes = 0
         while ends and ends[0][0] <= now and looks > 0:
             looks -= 1
             until, offset = heapq.heappop(ends)
             entry = by_offset.get(offset)
-            if entry is None or entry.until != until:
+            if entry is None:
+                # Held for a grace period alone, or not held: an end left in the heap by
+                # an earlier hold of the extent matches only an end that is due as well.
+                if expired_until.get(offset) == until:
+                    del expired_until[offset]
+                    lapsed_bytes += expired.pop(offset).extent_bytes
+                    lapsed_offsets.append(offset)
+                continue
+            if entry.until != until:
                 continue  # given back already, or its lease end moved (pushed again)
             if entry.holders:
                 entries = self._held[entry.obj.key]
@@ -332,16 +365,21 @@ class ExtentLeases:
                 due[entry] = None
         for entry in due:
             self._forget(entry, "lease_end")
-        if due:
+        ended = len(due) + len(lapsed_offsets)
+        if lapsed_offsets:
+            self.quarantined_bytes -= lapsed_bytes
+            self._counts["lease_end"] += len(lapsed_offsets)
+            self._counts["bytes"] += lapsed_bytes
+        if ended:
             self._burst_log.warn(
                 "lease_end",
                 "%d quarantined L1 extents reclaimed at the end of their lease; a reader still "
                 "holding views into them is told that their bytes may have changed",
-                len(due),
-                count=len(due),
+                ended,
+                count=ended,
             )
-        self._give_back([entry.obj.offset for entry in due])
-        return len(due)
+        self._give_back([entry.obj.offset for entry in due] + lapsed_offsets)
+        return ended
 
     def reclaim_due(self, now: float) -> bool:
         """Whether a :meth:`reclaim` at ``now`` has leases or grace periods to end."""
@@ -379,17 +417,24 @@ class ExtentLeases:
 
     @property
     def quarantined_extents(self) -> int:
-        return len(self._by_offset)
+        return len(self._by_offset) + len(self._expired)
 
     def held_entries(self) -> list[_Held]:
-        """Every quarantined extent's record (``obj.offset``, ``extent_bytes``: neither
-        changes while it is held), copied in C: read after the L1 lock is let go."""
+        """Every quarantined extent's record but those held for a grace period alone
+        (``held_objects``): ``obj.offset`` and ``extent_bytes`` (neither changes while it
+        is held), copied in C: read after the L1 lock is let go."""
         return list(self._by_offset.values())
+
+    def held_objects(self) -> list[L1Object]:
+        """The objects whose extents are held for the grace period of their expired locks
+        alone (``offset`` and ``extent_bytes`` as in ``held_entries``), copied in C."""
+        return list(self._expired.values())
 
     def held_extents(self) -> list[tuple[int, int]]:
         """``(offset, length)`` of every quarantined extent: allocated, and freed by no
         eviction."""
-        return [(offset, entry.extent_bytes) for offset, entry in self._by_offset.items()]
+        held = [(offset, entry.extent_bytes) for offset, entry in self._by_offset.items()]
+        return held + [(offset, obj.extent_bytes) for offset, obj in self._expired.items()]
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -423,6 +468,8 @@ class ExtentLeases:
         self._held.clear()
         self._lapsed.clear()
         self._ends.clear()
+        self._expired.clear()
+        self._expired_until.clear()
         self.quarantined_bytes = 0
         self.fenced_bytes = 0
         self._fenced = 0

@@ -599,6 +599,7 @@ class L1Manager:
         (sorting tuples made by a Python call per extent, before that: ~240 ms)."""
         with self.lock:
             objs = self._table.unevictable()
+            objs += self._leases.held_objects()
             held = self._leases.held_entries()
             capacity = self._allocator.capacity
         count = len(objs) + len(held)
