@@ -148,3 +148,22 @@ def test_plugins_show_of_a_contested_component_lists_each_claimant_under_one_war
     for distribution in ("tiers-aaa-shadow-fs", "tiers-zzz-twin"):
         assert f"l2_adapter:twin  (plugin {distribution})" in result.stdout
     assert result.stderr.splitlines() == [f"warning: {TWIN_CONTEST}"]
+
+
+def test_plugins_reference_documents_every_claimant_of_a_contested_name(site: Path) -> None:
+    """The reference documented a name from the distribution that registered it first
+    only -- here the third-party one, which the reference leaves out, so the shipped `fs`
+    had no section at all -- and said nothing of serve refusing the name."""
+    result = run_cli(["plugins", "reference"], site)
+    assert result.returncode == 0, result.stderr
+    sections = result.stdout.split("\n### ")
+    for distribution in ("lmcache-plugin-fs", "tiers-aaa-shadow-fs"):
+        found = [s for s in sections if s.startswith(f"`fs` ({distribution})\n")]
+        assert len(found) == 1, (distribution, result.stdout)
+        assert f"**Contested name:** {FS_CONTEST.split('; none')[0]}; none of them is used" in found[0]
+        assert "`serve` refuses a configuration that uses `fs`" in found[0]
+        assert "| `path` |" in found[0], found[0]  # each claimant's options (FsConfig here)
+    # a name no shipped plugin registers stays out, contested or not (third-party plugins
+    # are listed live, by `plugins show`)
+    assert not any(s.startswith("`twin`") or s.startswith("`shadow_only`") for s in sections)
+    assert f"warning: {FS_CONTEST}" in result.stderr.splitlines()

@@ -22,7 +22,7 @@ from lmcache_tiers.config import (
     L2EvictionConfig,
     ServerConfig,
 )
-from lmcache_tiers.registry import Component, Kind
+from lmcache_tiers.registry import CONTEST_WAY_OUT, Component, Kind, contest_text
 
 if TYPE_CHECKING:
     from lmcache_tiers.plugins import PluginSet
@@ -215,22 +215,40 @@ def render_config_reference(plugin_set: PluginSet) -> str:
         *_markdown_table(FrontendConfig),
         "",
     ]
+    contested = {(each[0].kind, each[0].name.lower()): each for each in plugin_set.registry.contested()}
     for kind in Kind:
-        shipped = [c for c in plugin_set.registry.components(kind) if c.plugin.startswith(SHIPPED_PREFIX)]
-        if not shipped:
+        documented: list[tuple[Component, list[Component] | None]] = []
+        for first in plugin_set.registry.components(kind):
+            claimants = contested.get((kind, first.name.lower()))
+            if any(c.plugin.startswith(SHIPPED_PREFIX) for c in claimants or [first]):
+                documented += [(c, claimants) for c in claimants or [first]]
+        if not documented:
             continue
         out += [f"## {KIND_TITLES[kind]}", ""]
-        for component in shipped:
-            out += [f"### `{component.name}` ({component.plugin})", ""]
-            doc = component_doc(component)
-            if doc:
-                out += [doc, ""]
-            refused = _lmcache_refusals(component.config)
-            if refused:
-                out += [refused, ""]
-            try:
-                fields = _markdown_table(component.config)
-            except UndescribedConfigError as exc:
-                fields = [f"Options cannot be listed: {exc}."]
-            out += (fields if len(fields) != 2 else ["No options."]) + [""]
+        for component, claimants in documented:
+            out += _component_section(component, claimants)
     return "\n".join(out).rstrip() + "\n"
+
+
+def _component_section(component: Component, claimants: list[Component] | None) -> list[str]:
+    """The reference's section of one component; ``claimants``: every component of its
+    name when distributions contest it, each documented (the one registered first is
+    no more the name's than the others), each section saying that serve refuses it."""
+    out = [f"### `{component.name}` ({component.plugin})", ""]
+    if claimants is not None:
+        out += [
+            f"**Contested name:** {contest_text(claimants)}: `serve` refuses a configuration "
+            f"that uses `{component.name}` (exit code 2) until one is left; {CONTEST_WAY_OUT}.",
+            "",
+        ]
+    doc = component_doc(component)
+    if doc:
+        out += [doc, ""]
+    refused = _lmcache_refusals(component.config)
+    if refused:
+        out += [refused, ""]
+    try:
+        fields = _markdown_table(component.config)
+    except UndescribedConfigError as exc:
+        fields = [f"Options cannot be listed: {exc}."]
+    return out + (fields if len(fields) != 2 else ["No options."]) + [""]

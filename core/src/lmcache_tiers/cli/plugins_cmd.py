@@ -135,6 +135,6 @@ def reference() -> None:
         # The reference goes to a file: without this line it would lack their sections unsaid.
         warn(f"plugin {plugin.name} failed to load: {plugin.error}; its components are not documented")
     for line in plugin_set.contest_lines():
-        # documented once, from the first distribution that registered it
+        # documented under each claimant, as refused by serve
         warn(line)
     typer.echo(render_config_reference(plugin_set), nl=False)
