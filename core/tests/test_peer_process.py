@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_tiers.peer_process import peer_pids, watch_peer
+from lmcache_tiers.peer_process import peer_pids, peer_socket, watch_peer, watch_peer_socket
 
 #: connects to argv[1] (a path, or host:port), says so, then waits to be killed
 CLIENT = """
@@ -89,6 +89,32 @@ def test_the_peer_process_is_named_and_its_exit_seen(
         assert watch.exited()
     finally:
         watch.close()
+
+
+def test_a_peer_read_at_once_is_watched_later_after_its_descriptor_closed(
+    accepted: tuple[socket.socket, subprocess.Popen[str]],
+) -> None:
+    """A server reads what the kernel says of a connection at once and scans for its
+    process on another thread, later: by then the descriptor may be closed (and its
+    number another connection's), so the scan must need only what was read."""
+    conn, process = accepted
+    peer = peer_socket(conn.fileno())
+    assert peer is not None
+    conn.close()  # the client still holds its end
+    watch = watch_peer_socket(peer)
+    assert watch is not None and watch.pids == (process.pid,)
+    try:
+        assert not watch.exited()
+        stop(process)
+        assert watch.exited()
+    finally:
+        watch.close()
+
+
+def test_a_peer_socket_is_none_for_a_descriptor_naming_no_connection() -> None:
+    assert peer_socket(-1) is None
+    with socket.socket(socket.AF_INET) as unconnected:
+        assert peer_socket(unconnected.fileno()) is None
 
 
 @contextlib.contextmanager

@@ -18,6 +18,11 @@ The descriptor must be the one the message came in on, looked at as it is receiv
 (ZeroMQ's ``zmq.SRCFD`` of a frame): libzmq closes it when the connection ends and the
 number is soon another connection's.
 
+The scan walks every process's descriptors, so a server must not run it where a slow
+one holds other work up: :func:`peer_socket` is the cheap part (what the kernel says of
+the descriptor at once, read while the descriptor is still the connection's), and
+:func:`watch_peer_socket` the scan and watch, which may run later on another thread.
+
 Left: an owner the scan cannot see (another user's process, when the server does not
 run as root), holding the same loopback socket as one it sees, is not waited for.
 """
@@ -30,32 +35,74 @@ import os
 import select
 import socket
 import struct
+from dataclasses import dataclass
 
-__all__ = ["PeerProcess", "peer_pids", "pidfd_exited", "watch_peer"]
+__all__ = [
+    "PeerProcess",
+    "PeerSocket",
+    "peer_pids",
+    "peer_socket",
+    "peer_socket_pids",
+    "pidfd_exited",
+    "watch_peer",
+    "watch_peer_socket",
+]
 
 #: struct ucred: pid, uid, gid
 _UCRED = struct.Struct("3i")
 
 
-def peer_pids(fd: int) -> tuple[int, ...]:
-    """The pids of the processes at the other end of the connected socket ``fd`` (empty
-    when that cannot be told: see the module)."""
+@dataclass(frozen=True)
+class PeerSocket:
+    """What the kernel says of a connection's far end without a scan: the pid
+    ``SO_PEERCRED`` named (``ipc://``), or the loopback TCP addresses (far end, near end)
+    whose owner :func:`peer_socket_pids` scans /proc for.  It names no descriptor, so it
+    stays true of its connection after the descriptor's number goes to another."""
+
+    pid: int = 0
+    far: tuple[object, ...] = ()
+    near: tuple[object, ...] = ()
+
+
+def peer_socket(fd: int) -> PeerSocket | None:
+    """The far end of the connected socket ``fd``, read at once (no /proc scan); None
+    when it cannot be told (see the module)."""
     if fd < 0:
-        return ()
+        return None
     try:
         sock = socket.socket(fileno=os.dup(fd))
     except OSError:
-        return ()
+        return None
     with sock:
         try:
             if sock.family == socket.AF_UNIX:
                 pid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[0]
-                return (pid,) if pid > 0 else ()
+                return PeerSocket(pid=pid) if pid > 0 else None
             if sock.family in (socket.AF_INET, socket.AF_INET6):
-                return _loopback_owners(sock.getpeername(), sock.getsockname())
+                return PeerSocket(far=tuple(sock.getpeername()), near=tuple(sock.getsockname()))
         except OSError:
+            return None
+    return None
+
+
+def peer_socket_pids(peer: PeerSocket) -> tuple[int, ...]:
+    """The pids of the processes at ``peer`` (a /proc scan for a loopback TCP one; empty
+    when they cannot be told)."""
+    if peer.pid > 0:
+        return (peer.pid,)
+    if peer.far and peer.near:
+        try:
+            return _loopback_owners(peer.far, peer.near)
+        except (OSError, ValueError):
             return ()
     return ()
+
+
+def peer_pids(fd: int) -> tuple[int, ...]:
+    """The pids of the processes at the other end of the connected socket ``fd`` (empty
+    when that cannot be told: see the module)."""
+    peer = peer_socket(fd)
+    return () if peer is None else peer_socket_pids(peer)
 
 
 def _loopback_owners(far: tuple[object, ...], near: tuple[object, ...]) -> tuple[int, ...]:
@@ -180,7 +227,18 @@ def watch_peer(fd: int) -> PeerProcess | None:
     in between and its pid went to another process, the pidfd watches that one: its exit
     comes later than the real peer's, never earlier (that one has already exited), so a
     fence waiting for it is lifted late, never while the peer may still copy."""
-    pids = peer_pids(fd)
+    return _watch_pids(peer_pids(fd))
+
+
+def watch_peer_socket(peer: PeerSocket) -> PeerProcess | None:
+    """:func:`watch_peer` of a connection's :func:`peer_socket`, read earlier: the scan
+    and pidfds, which a server may run off its request loop.  The processes are those
+    holding the connection now: one that held it and has exited is not found (the
+    caller then knows none, and keeps fences as for an unknown process)."""
+    return _watch_pids(peer_socket_pids(peer))
+
+
+def _watch_pids(pids: tuple[int, ...]) -> PeerProcess | None:
     if not pids:
         return None
     pidfds = []

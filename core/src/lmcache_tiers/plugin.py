@@ -184,7 +184,14 @@ if TYPE_CHECKING:
     from lmcache_tiers.l2.verified import VERIFY_PIECE, copy_and_checksum, copy_verified, read_record_file
     from lmcache_tiers.l2.workers import BatchWorkers
     from lmcache_tiers.layout import MAX_LAYOUT_LEN, TensorLayout
-    from lmcache_tiers.peer_process import PeerProcess, pidfd_exited, watch_peer
+    from lmcache_tiers.peer_process import (
+        PeerProcess,
+        PeerSocket,
+        peer_socket,
+        pidfd_exited,
+        watch_peer,
+        watch_peer_socket,
+    )
     from lmcache_tiers.router import RouterLoop
     from lmcache_tiers.serde import SerdeContext
     from lmcache_tiers.storage import StorageManager
@@ -302,6 +309,9 @@ _LAZY = {
     "RouterLoop": "lmcache_tiers.router",
     "PeerProcess": "lmcache_tiers.peer_process",
     "watch_peer": "lmcache_tiers.peer_process",
+    "PeerSocket": "lmcache_tiers.peer_process",
+    "peer_socket": "lmcache_tiers.peer_process",
+    "watch_peer_socket": "lmcache_tiers.peer_process",
     "pidfd_exited": "lmcache_tiers.peer_process",
     "StorageManager": "lmcache_tiers.storage",
     "segment_identity": "lmcache_tiers.wire.shm",
@@ -414,6 +424,7 @@ __all__ = [
     "PathLock",
     "PayloadVerifier",
     "PeerProcess",
+    "PeerSocket",
     "PrefetchPolicy",
     "PrefetchPolicySuite",
     "ProcessClaim",
@@ -473,6 +484,7 @@ __all__ = [
     "kv_rank_of",
     "log_unreadable_header",
     "name_to_key",
+    "peer_socket",
     "pidfd_exited",
     "plan_from_lowest_index",
     "printable",
@@ -484,6 +496,7 @@ __all__ = [
     "segment_identity",
     "verify_payload",
     "watch_peer",
+    "watch_peer_socket",
     "wire_protocol",
 ]
 
