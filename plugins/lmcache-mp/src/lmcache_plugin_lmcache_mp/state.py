@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmcache_plugin_lmcache_mp.chunks import LOOKUP_KEY_BYTES, HashCache
-from lmcache_tiers.plugin import ObjectKey, PeerProcess, TensorLayout
+from lmcache_plugin_lmcache_mp.peers import WriterWatch
+from lmcache_tiers.plugin import ObjectKey, TensorLayout
 
 __all__ = ["Instance", "LookupJob", "PendingTransfers", "RequestTable", "Transfer"]
 
@@ -281,7 +282,7 @@ class Transfer:
     ident: _Ident | None = None
     #: a store's: the process of the connection that prepared it, when the kernel named
     #: it (``peers.py``); once that process has exited, nothing copies into its slots
-    writer: PeerProcess | None = None
+    writer: WriterWatch | None = None
 
 
 class PendingTransfers:
@@ -333,7 +334,7 @@ class PendingTransfers:
         """The fenced transfers whose writer's process has exited, forgotten here: a
         process that exited copies nothing any more."""
         taken: list[Transfer] = []
-        exited: dict[PeerProcess, bool] = {}  # one look per process
+        exited: dict[WriterWatch, bool] = {}  # one look per connection
         for ident, transfers in list(self.fenced.items()):
             kept = []
             for transfer in transfers:

@@ -86,6 +86,7 @@ class Transfers:
         self._fence_refusals = BurstLog(logger, "mp_store_refused_fenced")
         #: the process of each connection, whose exit lifts the fences of its stores
         self.peers = ConnectionProcesses()
+        self._peer_scan_failures = BurstLog(logger)
         #: the descriptor the request being handled came in on (``zmq.SRCFD``; -1: not
         #: known), set by the loop around a prepare_store (loop thread only)
         self.source_fd = -1
@@ -204,7 +205,7 @@ class Transfers:
             size * len(reserved),
             reserved=reserved,
             peer=peer,
-            writer=self.peers.writer(peer, self.source_fd),
+            writer=self.peers.writer(self.source_fd),
         )
         self.writes.add(instance_id, keys, transfer)
         return PrepareStoreReply(context={"slots": slots, "chunk_indices": indices})
@@ -718,6 +719,22 @@ class Transfers:
             self.storage.release(transfer.keys, not_before=transfer.not_before)
         self._count_expired(self.writes.expire(now), len(self.reads.expire(now)) + len(due))
         self._release_fences_of_exited_writers()
+        self._count_peer_scan_failures()
+
+    def _count_peer_scan_failures(self) -> None:
+        """Count the connections whose process lookup failed or was given up (``peers.py``):
+        their stores' fences wait for a commit or an unregister, as an unknown process's."""
+        for reason, count in self.peers.take_failures().items():
+            self.shared.stats.failure(reason, count)
+            self._peer_scan_failures.warn(
+                reason,
+                "%d client connections' process lookups %s; their stores' fences are lifted only "
+                "by their commit or unregister [%s]",
+                count,
+                "failed" if reason == "mp_peer_scan_failed" else "were given up",
+                reason,
+                count=count,
+            )
 
     def _release_fences_of_exited_writers(self) -> None:
         """Give back the fenced extents of stores whose client process has exited
@@ -758,6 +775,7 @@ class Transfers:
         self._give_up_pickled_stores()
         self._give_up_pickled_retrieves()
         self.peers.close()
+        self._count_peer_scan_failures()
         return self._give_back(self.writes.pop_all(), self.reads.pop_all(), "shutting_down")
 
     def _give_up_pickled_stores(self) -> None:
