@@ -1,8 +1,10 @@
 """What docs/upgrading.md says of native clients older than 45bf14bd: those send no HELLO
 before the commit or abort of a store whose connection dropped mid-copy.  The server ties
-the new connection (a new ZeroMQ identity) to the reservations of the old one only by the
-pid a HELLO reports, so such a commit is refused and the reservation, once expired, stays
-fenced while the client's process lives (test_write_fence.py shows its exit lifting it).
+the new connection (a new ZeroMQ identity) to the reservations of the old one by the
+process the kernel names at both (test_writer_kernel_pid.py); where it cannot tell -- here
+the relay runs in the server's own process -- only by the pid a HELLO reports, so such a
+commit is refused and the reservation, once expired, stays fenced while the client's
+process lives (test_write_fence.py shows its exit lifting it).
 """
 
 from __future__ import annotations

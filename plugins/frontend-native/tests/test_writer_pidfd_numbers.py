@@ -57,10 +57,10 @@ def test_a_pidfd_numbered_past_1024_tells_the_exit(tmp_path: Path) -> None:
         while taken[-1] < HIGH_FD:
             taken.append(os.dup(filler))
         processes.hello(b"writer", writer.pid)
-        assert not processes.exited(b"writer")  # its pidfd opened now, past 1024
+        assert not processes.exited(b"writer", [None])  # its pidfd opened now, past 1024
         writer.kill()
         writer.wait()
-        assert processes.exited(b"writer")
+        assert processes.exited(b"writer", [None])
     finally:
         processes.close()
         for fd in taken:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
+import zmq
 
 from lmcache_plugin_frontend_native.sessions import PendingPrefetch, Session, SessionTable
 from lmcache_plugin_frontend_native.writers import WriterProcesses
@@ -175,6 +176,9 @@ class Handlers:
             float(l1.lock_ttl_s), float(l1.write_ttl_s), lock_deadline=l1.lock_deadline
         )
         self.stopping = threading.Event()
+        #: the first frame of the request being handled, set by the RPC loop around its
+        #: dispatch (None: not known), whose ``zmq.SRCFD`` names the connection it came in on
+        self.source: Any = None
         # prefetch handles a pool thread is blocked on; the sweep leaves them alone
         self._waited: set[int] = set()
         # Clients are told the storage's prefetch handles plus this random base.  The
@@ -435,6 +439,8 @@ class Handlers:
             raise HandlerError(
                 p.ErrorCode.OUT_OF_MEMORY, "the reservations expired before they could be handed out"
             )
+        if reserved:
+            self._note_writer(session, identity)
         session.add_writes(reserved, self.sessions.write_deadline(now))
         if len(reserved) == len(keys):
             # Every key reserved, so none named twice: one slot per key in order, without
@@ -556,8 +562,7 @@ class Handlers:
             mine, flags = session.take_writes(keys, now)
             fenced = session.take_fenced(keys)
             self._copies_ended(fenced, identity)
-            if not session.fenced:
-                self.writers.forget(identity)
+            self._forget_writers_if_idle(session)
             if len(mine) + len(fenced) >= len(keys):
                 return mine, flags
             held = {obj.key for obj in fenced}
@@ -584,10 +589,11 @@ class Handlers:
         extents would stay fenced while the process lives.  Another client reserving and
         committing a key holds its own reservation of it, so it never lifts the fence of a
         writer that may still be copying."""
+        current = self.writers.of_request(identity, self._source_fd())
         for earlier in self.sessions:
             if earlier.identity == identity or not (earlier.writes or earlier.fenced):
                 continue
-            if not self.writers.same_process(earlier.identity, identity):
+            if not self.writers.same_process(earlier.identity, earlier.writers, identity, current):
                 continue
             live, _ = earlier.take_writes(unheld, now)
             for index, key in enumerate(keys):
@@ -595,17 +601,16 @@ class Handlers:
                     flags[index] = True
                     mine[key] = live[key]
             self._copies_ended(earlier.take_fenced(unheld), identity)
-            if not earlier.fenced:
-                self.writers.forget(earlier.identity)
+            self._forget_writers_if_idle(earlier)
 
     def release_fences_of_exited_writers(self) -> None:
         """Give back the fenced extents of clients whose process exited (``writers.py``):
         nothing of theirs can copy into them any more.  Loop thread, at each sweep."""
         for session in self.sessions:
-            if not session.fenced or not self.writers.exited(session.identity):
+            if not session.fenced or not self.writers.exited(session.identity, session.writers):
                 continue
             objs = session.take_fenced(list(session.fenced))
-            self.writers.forget(session.identity)
+            self._forget_writers_if_idle(session)
             given_back = self.storage.l1.writers_done(objs)
             logger.warning(
                 "client %s exited holding %d expired reservations: their %d fenced L1 extents are given back",
@@ -613,6 +618,34 @@ class Handlers:
                 len(objs),
                 given_back,
             )
+
+    def _note_writer(self, session: Session, identity: bytes) -> None:
+        """Keep the watch of the process reserving for ``session`` now (``writers.py``)."""
+        watch = self.writers.of_request(identity, self._source_fd())
+        writers = session.writers
+        if not (session.writes or session.fenced):
+            writers.clear()  # what reserved before is done with: its exit lifts nothing
+        # One watch per live process: a client reserving over many connections (or over
+        # one, again and again) adds none.
+        if not any(writer is watch or _same_live_process(writer, watch) for writer in writers):
+            writers.append(watch)
+
+    def _forget_writers_if_idle(self, session: Session) -> None:
+        """A session holding no reservation forgets who reserved: their exits lift nothing."""
+        if not (session.writes or session.fenced):
+            session.writers.clear()
+            self.writers.forget(session.identity)
+
+    def _source_fd(self) -> int:
+        """The descriptor of the connection the request being handled came in on (-1: not
+        known); read while it is handled, as libzmq closes it when the connection ends."""
+        source = self.source
+        if source is None:
+            return -1
+        try:
+            return int(source.get(zmq.SRCFD))
+        except zmq.ZMQError:  # a libzmq that does not say: the kernel is not asked
+            return -1
 
     def _copies_ended(self, objs: list[Any], identity: bytes) -> None:
         """The client committed or aborted these reservations, so it has stopped copying
@@ -983,6 +1016,10 @@ class Handlers:
         self.writers.close()
         self.stats.released_at_stop_locks = locks
         self.stats.released_at_stop_reservations = writes
+
+
+def _same_live_process(one: Any, other: Any) -> bool:
+    return one is not None and other is not None and one.pids == other.pids and not one.exited()
 
 
 class PoolRequest:

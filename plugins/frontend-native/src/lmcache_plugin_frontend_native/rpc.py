@@ -169,7 +169,14 @@ class RpcServer:
             frames.append(frame)
         if self.router.is_waker(identity):
             return  # a pool thread finished something; the loop collects it next
-        self._handle(identity, header, frames, too_large, total)
+        # Kept for the handlers while they handle it: the connection's process is asked of
+        # the kernel off this frame's descriptor, which is another connection's once it closes.
+        handlers = self.handlers
+        handlers.source = first
+        try:
+            self._handle(identity, header, frames, too_large, total)
+        finally:
+            handlers.source = None
 
     def _handle(self, identity: bytes, header: bytes, frames: Frames, too_large: bool, total: int) -> None:
         if too_large and len(header) > p.MAX_HEADER_BYTES:
