@@ -634,6 +634,47 @@ def test_direct_write_back_goes_down_in_pieces_and_loads_in_one_request(direct_i
         assert read == [], read  # buffered POSIX loads are plain preadv calls
 
 
+class _PolicyAgent(_CountingAgent):
+    """The real NIXL agent, noting the CPU scheduling policy of each thread posting a request."""
+
+    def __init__(self, agent: object) -> None:
+        super().__init__(agent)
+        self.policies: list[int] = []
+
+    def transfer(self, handle: object) -> str:
+        self.policies.append(os.sched_getscheduler(0))
+        state: str = self.agent.transfer(handle)  # type: ignore[attr-defined]
+        return state
+
+
+@pytest.mark.parametrize("direct_io", [False, True], ids=["plain", "direct"])
+def test_direct_write_back_posts_its_payloads_outside_the_idle_class(direct_io: bool) -> None:
+    """With O_DIRECT no copy runs on the store thread: it runs Python that posts and polls
+    NIXL requests, holding the GIL, so it stays out of ``SCHED_IDLE`` (preempted there by
+    any waking thread, with the GIL held, it made the request threads wait).  Buffered, the
+    copy into the page cache runs in NIXL's posting call, idle-class."""
+    if not WRITE_BACK.uses_idle or WRITE_BACK.hurried:
+        pytest.skip("the write-back threads do not run idle-class here")
+    from lmcache_plugin_nixl.runtime import NixlRuntime
+
+    runtime = NixlRuntime.shared()
+    size = 4 * WRITE_BACK_PIECE_BYTES
+    arena = Arena(2 * size)
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root, direct_io=direct_io, capacity_gb=1.0), arena.view)
+        posting = _PolicyAgent(runtime.agent)
+        runtime.agent = posting  # type: ignore[assignment]
+        try:
+            assert store(adapter, arena, make_keys(1), [pattern(9, size)]) == [True]
+        finally:
+            runtime.agent = posting.agent  # type: ignore[assignment]
+            adapter.close()
+    payloads, headers = posting.policies[:-1], posting.policies[-1]
+    expected = os.SCHED_OTHER if direct_io else os.SCHED_IDLE
+    assert payloads and set(payloads) == {expected}, payloads
+    assert headers == os.SCHED_OTHER  # a small write: never idle-class
+
+
 @pytest.mark.parametrize("direct_io", [False, True], ids=["plain", "direct"])
 @pytest.mark.parametrize("serde", [False, True], ids=["raw", "zlib"])
 def test_another_keys_intact_record_is_a_miss_that_is_kept(direct_io: bool, serde: bool) -> None:

@@ -38,7 +38,7 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from queue import SimpleQueue
 
@@ -347,8 +347,7 @@ class RecordFiles:
             # the helper thread while NIXL moves the payloads, and headers go last.
             headers = self._store_helper.submit(self._encode_all, keys, payloads, pending)
             try:
-                # NIXL's copy into the files releases the GIL: idle-class (l2/background.py)
-                with WRITE_BACK.copying():
+                with self._payload_priority():
                     moved = self._transfer.run(
                         "WRITE",
                         [payloads[item.index] for item in pending],
@@ -384,6 +383,17 @@ class RecordFiles:
                 if not results[item.index]:
                     self._files.remove_quietly(item.path)
         return results
+
+    def _payload_priority(self) -> AbstractContextManager[None]:
+        """The priority the payloads are posted at.  Buffered, NIXL copies them into the
+        page cache in its posting call, without the GIL: idle-class (l2/background.py).
+        With O_DIRECT the device moves them: what this thread runs is the Python that sets
+        up, posts and polls a request per 2 MiB piece, holding the GIL -- and an idle-class
+        thread holding the GIL is preempted by any thread that wakes on its core, the
+        request threads then waiting for the GIL until that core is free again (the tail of
+        lookups under write-back).  So it runs at nice 10 there, like the rest of its
+        Python."""
+        return nullcontext() if self._direct_io else WRITE_BACK.copying()
 
     def _nixl_write_failed(self, key: ObjectKey, part: str) -> None:
         """A record the storage failed through NIXL is counted and named like one whose
