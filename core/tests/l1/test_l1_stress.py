@@ -291,8 +291,8 @@ def check_owners(l1: L1Manager, holders: list[Holder]) -> None:
     allocator, table, leases = l1._allocator, l1._table, l1._leases
     live = {obj.offset: obj for obj in table.objects.values()}
     quarantined = {offset: entry.obj for offset, entry in leases._by_offset.items()}
-    assert not quarantined.keys() & leases._expired.keys(), "an extent quarantined twice"
-    quarantined.update(leases._expired)
+    assert not quarantined.keys() & leases._bare.keys(), "an extent quarantined twice"
+    quarantined.update(leases._bare)
     held = {obj.offset: obj for obj in table._held}
     assert len(live) == len(table.objects), "two live objects at one offset"
     assert len(held) == len(table._held), "two held objects at one offset"

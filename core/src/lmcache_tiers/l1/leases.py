@@ -46,7 +46,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -75,9 +74,6 @@ class _Held:
     #: end of the grace period of locks on it that expired earlier: its holders' releases
     #: do not give it back before then, a reaped reader may still be reading it
     not_before: float = 0.0
-    #: an expired reservation whose writer may still copy into it: no lease end, it goes
-    #: back at ``writers_done`` only
-    fenced: bool = False
 
 
 class LeaseStats(NamedTuple):
@@ -121,14 +117,15 @@ class ExtentLeases:
         # look each, paid for by the hold that pushed it.  Numbers only, which the garbage
         # collector stops tracking: 100k quarantined at once brought full collections.
         self._ends: list[tuple[float, int]] = []
-        # Extents held for the grace period of expired locks alone (no reader left on
-        # them, no store reading them, no writer fenced): the bulk of a mass expiry.  Each
-        # is kept as its object (tracked by the garbage collector already, and long-lived)
-        # and a float, so that holding one allocates nothing the collector keeps tracking:
-        # a ``_Held`` record each made 100k write reservations past their TTL pile up
-        # survivors that brought full collections of ~80 ms into the reap passes.
-        self._expired: dict[int, L1Object] = {}
-        self._expired_until: dict[int, float] = {}
+        # Extents held with no ``_Held`` record, by offset: those held for the grace period
+        # of expired locks alone (no reader left on them, no store reading them), their end
+        # in ``_grace_ends``, and the fenced (no end).  The bulk of a mass expiry: each is
+        # kept as its object (tracked by the garbage collector already, and long-lived) and
+        # at most a float, so that holding one allocates nothing the collector keeps
+        # tracking: a record each made 100k write reservations past their TTL pile up
+        # survivors that brought full collections of 40-130 ms into the reap passes.
+        self._bare: dict[int, L1Object] = {}
+        self._grace_ends: dict[int, float] = {}
         self.quarantined_bytes = 0
         self.fenced_bytes = 0
         self._fenced = 0
@@ -159,7 +156,7 @@ class ExtentLeases:
             if obj.fenced and obj.state is ObjectState.WRITING:
                 # Left uncommitted (reaped at the write TTL) by a writer that copies into
                 # the arena itself and has not said it stopped: it may still be copying.
-                self._hold(obj, 0, math.inf, fenced=True)
+                self._hold_bare(obj, None)
                 fenced += 1
                 continue
             # A store's locks are not a reader's: they go by identity (``store_done``).
@@ -177,7 +174,7 @@ class ExtentLeases:
                 if obj.storing:
                     self._hold(obj, 0, lapsed_until)  # and pinned at its lease end
                 else:
-                    self._hold_expired(obj, lapsed_until)
+                    self._hold_bare(obj, lapsed_until)
                 self._counts["expired"] += 1
             elif obj.storing:
                 self._hold(obj, 0, now)  # pinned only: goes back when its store reports
@@ -213,33 +210,32 @@ class ExtentLeases:
             )
         self._give_back(free)
 
-    def _hold(
-        self, obj: L1Object, holders: int, until: float, *, not_before: float = 0.0, fenced: bool = False
-    ) -> None:
-        entry = _Held(obj, holders, until, self._allocator.size_at(obj.offset), not_before, fenced)
+    def _hold(self, obj: L1Object, holders: int, until: float, *, not_before: float = 0.0) -> None:
+        entry = _Held(obj, holders, until, self._allocator.size_at(obj.offset), not_before)
         self._by_offset[obj.offset] = entry
         self.quarantined_bytes += entry.extent_bytes
-        if fenced:
-            self.fenced_bytes += entry.extent_bytes
-            self._fenced += 1
         if holders:
             self._held.setdefault(obj.key, []).append(entry)
         self._end_at(entry, until)
 
-    def _hold_expired(self, obj: L1Object, until: float) -> None:
-        """Hold ``obj``'s extent until ``until``, the end of its expired locks' grace period;
-        nothing but that time gives it back."""
+    def _hold_bare(self, obj: L1Object, until: float | None) -> None:
+        """Hold ``obj``'s extent, with no record, until ``until``, the end of its expired
+        locks' grace period; a fenced one (None) until ``writers_done`` names it.  Nothing
+        else gives it back."""
         offset = obj.offset
-        self._expired[offset] = obj
-        self._expired_until[offset] = until
+        self._bare[offset] = obj
         self.quarantined_bytes += obj.extent_bytes
+        if until is None:
+            self.fenced_bytes += obj.extent_bytes
+            self._fenced += 1
+            return
+        self._grace_ends[offset] = until
         heapq.heappush(self._ends, (until, offset))
 
     def _end_at(self, entry: _Held, until: float) -> None:
-        """``entry`` is reclaimed at ``until`` (a fenced one never: ``writers_done`` only)."""
+        """``entry`` is reclaimed at ``until``."""
         entry.until = until
-        if not entry.fenced:
-            heapq.heappush(self._ends, (until, entry.obj.offset))
+        heapq.heappush(self._ends, (until, entry.obj.offset))
 
     def _give_back(self, offsets: list[int]) -> None:
         # The generation moves before the allocator can hand the extent out again.
@@ -275,7 +271,7 @@ class ExtentLeases:
         entry = self._by_offset.get(obj.offset)
         if entry is not None:
             return entry.obj is obj
-        return self._expired.get(obj.offset) is obj
+        return self._bare.get(obj.offset) is obj
 
     def credit(self, key: ObjectKey, count: int, now: float) -> int:
         """``count`` locks on ``key`` were released: credit them to its quarantined extents,
@@ -313,15 +309,22 @@ class ExtentLeases:
     def writers_done(self, objs: Sequence[L1Object]) -> int:
         """The writers of ``objs`` have stopped copying into them (they committed or
         aborted): those fenced go back now; returns how many did."""
-        by_offset = self._by_offset
-        done: list[_Held] = []
+        bare, grace_ends = self._bare, self._grace_ends
+        done: list[int] = []
+        done_bytes = 0
         for obj in objs:
-            entry = by_offset.get(obj.offset)
-            if entry is not None and entry.obj is obj and entry.fenced:
-                done.append(entry)
-        for entry in done:
-            self._forget(entry, "writer_done")
-        self._give_back([entry.obj.offset for entry in done])
+            offset = obj.offset
+            if bare.get(offset) is obj and offset not in grace_ends:
+                del bare[offset]
+                done.append(offset)
+                done_bytes += obj.extent_bytes
+        if done:
+            self.quarantined_bytes -= done_bytes
+            self.fenced_bytes -= done_bytes
+            self._fenced -= len(done)
+            self._counts["writer_done"] += len(done)
+            self._counts["bytes"] += done_bytes
+        self._give_back(done)
         return len(done)
 
     def reclaim(self, now: float, budget: int | None = None) -> int:
@@ -332,11 +335,11 @@ class ExtentLeases:
         if self._lapsed:
             self._prune_lapsed(now, budget)
         ends, by_offset = self._ends, self._by_offset
-        expired, expired_until = self._expired, self._expired_until
+        bare, grace_ends = self._bare, self._grace_ends
         looks = len(ends) if budget is None else budget
         # An entry pushed again at the same end comes up twice: a dict takes it once.
         due: dict[_Held, None] = {}
-        lapsed_offsets: list[int] = []  # of ``_expired``'s extents due
+        lapsed_offsets: list[int] = []  # of the extents held for a grace period alone
         lapsed_bytes = 0
         while ends and ends[0][0] <= now and looks > 0:
             looks -= 1
@@ -345,9 +348,9 @@ class ExtentLeases:
             if entry is None:
                 # Held for a grace period alone, or not held: an end left in the heap by
                 # an earlier hold of the extent matches only an end that is due as well.
-                if expired_until.get(offset) == until:
-                    del expired_until[offset]
-                    lapsed_bytes += expired.pop(offset).extent_bytes
+                if grace_ends.get(offset) == until:
+                    del grace_ends[offset]
+                    lapsed_bytes += bare.pop(offset).extent_bytes
                     lapsed_offsets.append(offset)
                 continue
             if entry.until != until:
@@ -409,32 +412,30 @@ class ExtentLeases:
     def _forget(self, entry: _Held, how: str) -> None:
         del self._by_offset[entry.obj.offset]
         self.quarantined_bytes -= entry.extent_bytes
-        if entry.fenced:
-            self.fenced_bytes -= entry.extent_bytes
-            self._fenced -= 1
         self._counts[how] += 1
         self._counts["bytes"] += entry.extent_bytes
 
     @property
     def quarantined_extents(self) -> int:
-        return len(self._by_offset) + len(self._expired)
+        return len(self._by_offset) + len(self._bare)
 
     def held_entries(self) -> list[_Held]:
-        """Every quarantined extent's record but those held for a grace period alone
-        (``held_objects``): ``obj.offset`` and ``extent_bytes`` (neither changes while it
-        is held), copied in C: read after the L1 lock is let go."""
+        """Every quarantined extent's record (those held with none are ``held_objects``):
+        ``obj.offset`` and ``extent_bytes`` (neither changes while it is held), copied in
+        C: read after the L1 lock is let go."""
         return list(self._by_offset.values())
 
     def held_objects(self) -> list[L1Object]:
-        """The objects whose extents are held for the grace period of their expired locks
-        alone (``offset`` and ``extent_bytes`` as in ``held_entries``), copied in C."""
-        return list(self._expired.values())
+        """The objects whose extents are held with no record (for the grace period of their
+        expired locks alone, or fenced): ``offset`` and ``extent_bytes`` as in
+        ``held_entries``, copied in C."""
+        return list(self._bare.values())
 
     def held_extents(self) -> list[tuple[int, int]]:
         """``(offset, length)`` of every quarantined extent: allocated, and freed by no
         eviction."""
         held = [(offset, entry.extent_bytes) for offset, entry in self._by_offset.items()]
-        return held + [(offset, obj.extent_bytes) for offset, obj in self._expired.items()]
+        return held + [(offset, obj.extent_bytes) for offset, obj in self._bare.items()]
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -468,8 +469,8 @@ class ExtentLeases:
         self._held.clear()
         self._lapsed.clear()
         self._ends.clear()
-        self._expired.clear()
-        self._expired_until.clear()
+        self._bare.clear()
+        self._grace_ends.clear()
         self.quarantined_bytes = 0
         self.fenced_bytes = 0
         self._fenced = 0
