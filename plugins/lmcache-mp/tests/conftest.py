@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # mpclient, for every test module here
 
 from mpclient import MPClient, mp_address
+from writer_processes import stop_writers
 
 from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.testing.server import make_server
@@ -43,3 +45,12 @@ def mp_server(make_mp_server: Callable[..., TiersServer]) -> TiersServer:
 def client(mp_server: TiersServer) -> Iterator[MPClient]:
     with MPClient(mp_address(mp_server)) as connected:
         yield connected
+
+
+@pytest.fixture
+def writers() -> Iterator[list[subprocess.Popen[str]]]:
+    """The stalled writer processes a test starts (``writer_processes.start_writer``),
+    killed and reaped after it."""
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    stop_writers(started)

@@ -11,13 +11,8 @@ that exited while its lookup was pending can be seen held until the lookup ends.
 
 from __future__ import annotations
 
-import signal
 import socket
-import subprocess
-import sys
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,11 +20,11 @@ from lmcache_plugin_lmcache_mp import peers
 from lmcache_plugin_lmcache_mp.peers import ConnectionProcesses
 from mp_counts import mp_stats
 from mpclient import CHUNK_TOKENS, Key, MPClient, Registration, mp_address, tokens_of, wait_for
+from writer_processes import fenced_extents, start_writer, transfers_of
 
 from lmcache_tiers.plugin import PeerProcess, PeerSocket, watch_peer_socket
 from lmcache_tiers.server.app import TiersServer
 
-STALLED_WRITER = Path(__file__).with_name("stalled_writer.py")
 OTHER = Registration(instance_id=1001)
 #: a write TTL short enough for the server's own sweep and reap to expire a reservation
 SHORT_TTL: dict[str, Any] = {"l1_write_ttl_s": 1.0, "l1_lock_ttl_s": 1.0}
@@ -60,41 +55,6 @@ class GatedScanner:
 def server(make_mp_server: Any) -> TiersServer:
     made: TiersServer = make_mp_server(**SHORT_TTL, host="127.0.0.1")
     return made
-
-
-@pytest.fixture
-def writers() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-            process.send_signal(signal.SIGCONT)
-        process.wait()
-        assert process.stdout is not None
-        process.stdout.close()
-
-
-def start_writer(server: TiersServer, instance_id: int, sequence: int, writers: list[Any]) -> Any:
-    """A client process whose one-chunk reservation is prepared and never committed."""
-    process = subprocess.Popen(
-        [sys.executable, str(STALLED_WRITER), mp_address(server), str(instance_id), str(sequence)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    writers.append(process)
-    assert process.stdout is not None
-    assert process.stdout.readline().strip() == "prepared 1"
-    return process
-
-
-def transfers_of(server: TiersServer) -> Any:
-    frontend: Any = server.frontends[0]  # make_mp_server's LMCache front end
-    return frontend.handlers.transfers
-
-
-def fenced_extents(server: TiersServer) -> int:
-    return int(server.storage_status()["l1"]["leases"]["fenced_extents"])
 
 
 def prepare(client: MPClient, sequence: int) -> None:

@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from mp_counts import mp_stats
 from mpclient import CHUNK_TOKENS, Key, MPClient, Registration, mp_address, tokens_of, wait_for
+from writer_processes import fenced_extents, start_writer, transfers_of
 
 from lmcache_tiers.server.app import TiersServer
 
-STALLED_WRITER = Path(__file__).with_name("stalled_writer.py")
 OTHER = Registration(instance_id=1001)
 SIZE = OTHER.object_bytes
 #: a write TTL short enough for the server's own sweep and reap to expire a reservation
@@ -37,44 +34,6 @@ def server(request: pytest.FixtureRequest, make_mp_server: Any, tmp_path: Path) 
     where = {"host": f"ipc://{tmp_path}/mp.sock"} if request.param == "ipc" else {"host": "127.0.0.1"}
     made: TiersServer = make_mp_server(**SHORT_TTL, **where)
     return made
-
-
-@pytest.fixture
-def writers() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-            process.send_signal(signal.SIGCONT)
-        process.wait()
-        assert process.stdout is not None
-        process.stdout.close()
-
-
-def start_writer(
-    server: TiersServer, instance_id: int, sequence: int, writers: list[Any], routing_id: str = ""
-) -> Any:
-    """A client process whose one-chunk reservation is prepared and never committed."""
-    extra = [routing_id] if routing_id else []
-    process = subprocess.Popen(
-        [sys.executable, str(STALLED_WRITER), mp_address(server), str(instance_id), str(sequence), *extra],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    writers.append(process)
-    assert process.stdout is not None
-    assert process.stdout.readline().strip() == "prepared 1"
-    return process
-
-
-def fenced_extents(server: TiersServer) -> int:
-    return int(server.storage_status()["l1"]["leases"]["fenced_extents"])
-
-
-def transfers_of(server: TiersServer) -> Any:
-    frontend: Any = server.frontends[0]  # make_mp_server's LMCache front end
-    return frontend.handlers.transfers
 
 
 def prepare(client: MPClient, sequence: int) -> list[dict[str, Any]]:
