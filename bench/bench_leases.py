@@ -17,8 +17,11 @@ pass that walked every locked object cost ~70 ms with 100k; it now costs what ex
     python bench/bench_leases.py --reap-locked '' --mass-expiry 100000
 
 With ``--mass-expiry`` it reaps that many locks expiring at once (a client that died holding
-them; a burst of write reservations past the write TTL) pass after pass, as the L1 eviction
-thread does, and reports the longest pass: one pass reaping 100k held the lock 70-270 ms.
+them; a burst of write reservations past the write TTL, of writers through the API or into
+the shared arena, fenced) pass after pass, as the L1 eviction thread does, and reports the
+longest pass: one pass reaping 100k held the lock 70-270 ms.  It counts the full (oldest
+generation) collections during the passes too: a quarantine record per expired reservation
+brought one or two of 40-130 ms into every mass expiry of 100k.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from cases import count_by_size
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager
+from lmcache_tiers.sweep_cadence import SWEEP_COST_FACTOR
 from lmcache_tiers.wire import protocol as p
 from lmcache_tiers.wire.shm import MappedSegment, segment_identity
 
@@ -122,23 +126,29 @@ def measure_reap(locked: int, expired: int, repeats: int) -> dict[str, float]:
 def measure_mass_expiry(count: int, kind: str) -> dict[str, float]:
     """Reap passes after ``count`` locks expired at once -- a client that died holding that
     many read locks (``kind`` "reads"), or a burst of write reservations past the write TTL
-    ("writes") -- run back to back until none is due: the longest pass is how long every
-    store, lookup and retrieve waited for the L1 lock at worst, against the total."""
+    ("writes"; "fenced": of writers into the shared arena) -- run back to back until none is
+    due: the longest pass is how long every store, lookup and retrieve waited for the L1
+    lock at worst, against the total."""
     align = 512
     with L1Manager(count * align, align=align, lock_ttl_s=60.0, write_ttl_s=60.0, prefault=False) as l1:
         keys = [ObjectKey("bench", 0, index.to_bytes(8, "big")) for index in range(count)]
         reserved = l1.reserve_write(keys, [align] * count)
         if kind == "reads":
             l1.finish_write_and_reserve_read(keys)
+        elif kind == "fenced":
+            l1.fence_writers(list(reserved.values()))
         deadline = max(obj.lock_deadline for obj in reserved.values())
         gc.collect()
         # The collector's pauses (a full collection with 100k objects alive takes 10-40 ms)
         # stop every thread whatever lock it waits for: timed apart from the reap's own hold.
         collecting = [0.0, 0.0]  # start of the collection under way, time collected in this pass
+        full_collections = 0
 
         def collector(phase: str, info: dict[str, int]) -> None:
+            nonlocal full_collections
             if phase == "start":
                 collecting[0] = time.perf_counter()
+                full_collections += info["generation"] == 2
             else:
                 collecting[1] += time.perf_counter() - collecting[0]
 
@@ -166,7 +176,10 @@ def measure_mass_expiry(count: int, kind: str) -> dict[str, float]:
         # the 99th percentile: a lone long pass on this shared machine is often the scheduler's
         "p99_hold_s": sorted(holds)[int(0.99 * (len(holds) - 1))],
         "total_s": sum(holds),
+        # the eviction thread spaces passes by their cost (``next_sweep_at``): the drain's length
+        "drain_s": (1 + SWEEP_COST_FACTOR) * sum(holds),
         "passes": len(holds),
+        "full_collections": full_collections,
     }
 
 
@@ -214,8 +227,8 @@ def main() -> None:
         "--mass-expiry",
         type=reap_counts,
         default="100000",
-        help="locks expiring at once (read locks, then write reservations): the longest hold "
-        "of the L1 lock while they are reaped, comma-separated ('' for none)",
+        help="locks expiring at once (read locks, then write reservations, then fenced ones): the "
+        "longest hold of the L1 lock while they are reaped, comma-separated ('' for none)",
     )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead")
     args = parser.parse_args()
@@ -241,17 +254,24 @@ def main() -> None:
                 f"none due, {figures['reap_due_s'] * 1e3:.3f} ms reaping {args.reap_expired} of them"
             )
     for count in args.mass_expiry:
-        for kind in ("reads", "writes"):
+        for kind in ("reads", "writes", "fenced"):
             figures = measure_mass_expiry(count, kind)
             results.append({"mass_expiry": count, "kind": kind, **figures})
             if not args.json:
+                what = {
+                    "reads": "read locks",
+                    "writes": "write reservations",
+                    "fenced": "fenced write reservations",
+                }
                 print(
-                    f"mass expiry of {count} {'read locks' if kind == 'reads' else 'write reservations'}: "
+                    f"mass expiry of {count} {what[kind]}: "
                     f"longest hold of the L1 lock {figures['max_hold_s'] * 1e3:.3f} ms "
                     f"({figures['max_own_hold_s'] * 1e3:.3f} ms without the collector's pauses, "
                     f"median {figures['median_hold_s'] * 1e3:.3f} ms, "
                     f"p99 {figures['p99_hold_s'] * 1e3:.3f} ms), "
-                    f"{figures['passes']:.0f} passes, {figures['total_s'] * 1e3:.1f} ms in all"
+                    f"{figures['passes']:.0f} passes, {figures['total_s'] * 1e3:.1f} ms in all, "
+                    f"{figures['full_collections']:.0f} full collections; drained in "
+                    f"{figures['drain_s']:.1f} s at the eviction thread's spacing"
                 )
     if args.json:
         print(json.dumps(results))
