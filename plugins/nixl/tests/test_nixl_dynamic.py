@@ -546,6 +546,36 @@ def test_store_checksums_run_at_the_write_back_threads_priority(
             adapter.close()
 
 
+def test_store_headers_are_encoded_outside_the_idle_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a store's checksums (xxhash, without the GIL) run idle-class: its record headers
+    are encoded in Python, holding the GIL, where an idle-class thread preempted by any
+    waking thread kept the GIL from the request threads.  The headers still carry the
+    payloads' checksums: the records load."""
+    if not WRITE_BACK.uses_idle or WRITE_BACK.hurried:
+        pytest.skip("the write-back threads do not run idle-class here")
+    policies: list[int] = []
+    encode = recordio.RecordFiles._encode
+
+    def noting(self: recordio.RecordFiles, *args: Any, **kwargs: Any) -> bytes | None:
+        policies.append(os.sched_getscheduler(0))
+        return encode(self, *args, **kwargs)
+
+    monkeypatch.setattr(recordio.RecordFiles, "_encode", noting)
+    arena = Arena()
+    keys = make_keys(2)
+    data = [pattern(3, SIZE), pattern(4, SIZE)]
+    with scratch_dir() as root:
+        adapter = open_dynamic(dynamic_config(root), arena.view)
+        try:
+            assert store(adapter, arena, keys, data) == [True, True]
+            result = client(adapter).lookup_and_lock(keys)
+            assert load(adapter, arena, keys, result.sizes) == ([True, True], data)
+            adapter.unlock(keys)
+        finally:
+            adapter.close()
+    assert policies == [os.SCHED_OTHER] * 2, policies
+
+
 class _CountingAgent:
     """The real NIXL agent, counting how often transfers are polled, and the bytes of host
     memory each request moves."""

@@ -42,6 +42,8 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext, supp
 from dataclasses import dataclass
 from queue import SimpleQueue
 
+import xxhash
+
 from lmcache_plugin_nixl.memory import DIRECT_IO_ALIGN, HostMemory, buffer_address, direct_io_ok
 from lmcache_plugin_nixl.plainreads import PlainReads
 from lmcache_plugin_nixl.runtime import NixlRuntime, NixlTransferError, Registration
@@ -434,13 +436,20 @@ class RecordFiles:
     def _encode_all(
         self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview], pending: list[_Pending]
     ) -> list[bytes | None]:
-        with WRITE_BACK.copying():  # mostly checksums, which release the GIL
-            return [self._encode(keys[item.index], payloads[item.index]) for item in pending]
+        # Only the checksums run idle-class: xxhash releases the GIL over a payload, while the
+        # headers are encoded in Python, holding it -- preempted there by any thread waking on
+        # its core, an idle-class thread kept the GIL from the request threads.
+        with WRITE_BACK.copying():
+            digests = [xxhash.xxh3_128_digest(payloads[item.index]) for item in pending]
+        return [
+            self._encode(keys[item.index], payloads[item.index], digest)
+            for item, digest in zip(pending, digests, strict=True)
+        ]
 
-    def _encode(self, key: ObjectKey, payload: memoryview) -> bytes | None:
+    def _encode(self, key: ObjectKey, payload: memoryview, digest: bytes) -> bytes | None:
         try:
             # Core fills in the L1 size, layout and serde chain of the key being stored.
-            return self._context.record_header(key, payload, align=HEADER_ALIGN)
+            return self._context.record_header(key, payload, align=HEADER_ALIGN, digest=digest)
         except ValueError as exc:
             log.warning("cannot encode the record header of %s: %s", printable(record_name(key)), exc)
             return None
