@@ -37,8 +37,9 @@ What each kind of plugin needs:
 * a front end: ``Frontend``, ``FrontendConfig``, ``FrontendContext``, ``FrontendStats``,
   ``ServerConfig``, ``StorageManager`` (what it serves), ``RouterLoop`` (a ZeroMQ ROUTER
   loop), the process at the far end of a connection ``watch_peer`` / ``PeerProcess`` and
-  a pidfd's exit ``pidfd_exited``, ``L1Loan``, ``is_loopback``, the key helpers ``NONE_HASH``,
-  ``chunk_hashes``,
+  a pidfd's exit ``pidfd_exited``, each connection's process looked up once, off the
+  request loop, ``ConnectionPeers`` / ``PeerWatch`` (a ``PeerScanner`` finds it),
+  ``L1Loan``, ``is_loopback``, the key helpers ``NONE_HASH``, ``chunk_hashes``,
   ``kv_rank_of``, ``L1OutOfMemoryError``; the native protocol's Structs
   ``wire_protocol``, ``segment_identity`` and ``SHM_DIR`` (shared with the Python client), and
   ``decode_request`` with its ``KeyCache`` (a server's decoding of request headers);
@@ -192,6 +193,7 @@ if TYPE_CHECKING:
         watch_peer,
         watch_peer_socket,
     )
+    from lmcache_tiers.peer_scan import ConnectionPeers, PeerScanner, PeerWatch
     from lmcache_tiers.router import RouterLoop
     from lmcache_tiers.serde import SerdeContext
     from lmcache_tiers.storage import StorageManager
@@ -313,6 +315,9 @@ _LAZY = {
     "peer_socket": "lmcache_tiers.peer_process",
     "watch_peer_socket": "lmcache_tiers.peer_process",
     "pidfd_exited": "lmcache_tiers.peer_process",
+    "ConnectionPeers": "lmcache_tiers.peer_scan",
+    "PeerScanner": "lmcache_tiers.peer_scan",
+    "PeerWatch": "lmcache_tiers.peer_scan",
     "StorageManager": "lmcache_tiers.storage",
     "segment_identity": "lmcache_tiers.wire.shm",
     "SHM_DIR": "lmcache_tiers.tmpfs",
@@ -380,6 +385,7 @@ __all__ = [
     "ComponentConfig",
     "ComponentSuite",
     "ConfigError",
+    "ConnectionPeers",
     "DeleteFailures",
     "DirectoryInUseError",
     "DirectoryLock",
@@ -424,7 +430,9 @@ __all__ = [
     "PathLock",
     "PayloadVerifier",
     "PeerProcess",
+    "PeerScanner",
     "PeerSocket",
+    "PeerWatch",
     "PrefetchPolicy",
     "PrefetchPolicySuite",
     "ProcessClaim",

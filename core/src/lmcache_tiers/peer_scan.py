@@ -1,0 +1,227 @@
+"""The process of each client connection, looked up once per connection off the request loop.
+
+A front end fencing a shared-memory writer's expired extents waits for that writer's
+process (``peer_process``).  Over loopback TCP the process is found by a scan of every
+process's descriptors (2-7 ms with 100 processes, 27-59 ms with 2,100:
+``bench/bench_peer_scan.py``), which would hold up every client's requests if the loop
+thread ran it.  :class:`ConnectionPeers` is what both front ends use for it:
+
+* the loop reads only what the kernel says of the descriptor at once
+  (:func:`~lmcache_tiers.peer_process.peer_socket`: the ``SO_PEERCRED`` pid, or the TCP
+  addresses) and gets a :class:`PeerWatch` at once, **pending**;
+* a worker thread of its own scans and opens the pidfds, then arms the watch.  A pending
+  watch never says its process exited, so a fence waiting for it stays (nothing is given
+  back early); a loopback writer that exited before its scan ran is not found (its socket
+  is gone) and its watch is armed with none, as for any process that cannot be told;
+* a connection is looked up once, pending or done, told apart by its descriptor and the
+  inode of the server's socket (unique while the socket is open; a descriptor number is
+  reused once it closes);
+* a scan that raised is counted (the front end's ``failed`` reason) and armed with none; a
+  connection past ``max_pending`` waiting for its scan, or one still waiting at the stop,
+  is given up (its ``given_up`` reason): pending for ever, so its fences stay, and looked
+  up again at its next request.  :meth:`ConnectionPeers.count_failures` counts and logs them;
+* connections of one live process share its watch (one pidfd per process).
+
+:meth:`ConnectionPeers.scan_now` runs a pending watch's scan on the caller's thread, for
+the rare request that cannot be answered right without knowing its process.
+
+Loop-thread methods: :meth:`~ConnectionPeers.watch`, :meth:`~ConnectionPeers.scan_now`,
+:meth:`~ConnectionPeers.count_failures`, :meth:`~ConnectionPeers.close`; the worker
+touches only the watches it arms and its own queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import weakref
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
+
+from lmcache_tiers.burst import BurstLog
+from lmcache_tiers.peer_process import PeerProcess, PeerSocket, peer_socket, watch_peer_socket
+
+__all__ = ["ConnectionPeers", "PeerScanner", "PeerWatch"]
+
+logger = logging.getLogger(__name__)
+
+#: what finds and watches the process of a connection (a /proc scan over loopback TCP);
+#: None: it cannot be told
+PeerScanner = Callable[[PeerSocket], PeerProcess | None]
+
+
+class PeerWatch:
+    """The watch of one connection's process, armed once by its scan.
+
+    Pending (not armed yet), unknown (armed with none) or closed, it never says exited:
+    a fence waits for it as for a live process."""
+
+    def __init__(self, peer: PeerSocket) -> None:
+        #: the connection's far end as read when it was first seen (what a scan looks for)
+        self.peer = peer
+        self._watch: PeerProcess | None = None
+        self.armed = threading.Event()
+
+    def arm(self, watch: PeerProcess | None) -> None:
+        self._watch = watch
+        self.armed.set()
+
+    @property
+    def process(self) -> PeerProcess | None:
+        """The process watched (None while pending, or when it cannot be told)."""
+        return self._watch
+
+    def exited(self) -> bool:
+        watch = self._watch  # one read: the worker may arm it meanwhile
+        return watch is not None and watch.exited()
+
+
+class ConnectionPeers:
+    """The :class:`PeerWatch` of each client connection, scanned for on a worker thread."""
+
+    def __init__(
+        self,
+        scan: PeerScanner = watch_peer_socket,
+        *,
+        failed: str = "peer_scan_failed",
+        given_up: str = "peer_scan_given_up",
+        max_pending: int = 1024,
+        max_connections: int = 4096,
+        thread_name: str = "peer-scan",
+    ) -> None:
+        """``failed`` / ``given_up``: the failure reasons a front end counts them under;
+        ``max_pending``: connections waiting for their scan past which a new one is given
+        up (a reconnect storm must not grow the queue without bound); ``max_connections``:
+        connections remembered (past it the oldest is forgotten, and looked up again if it
+        comes back: whoever holds its watch keeps it)."""
+        self._scan = scan
+        self.failed, self.given_up = failed, given_up
+        self._max_connections = max_connections
+        self._thread_name = thread_name
+        #: (descriptor, inode of the server's socket) -> its connection's watch (loop thread)
+        self._of: OrderedDict[tuple[int, int], PeerWatch] = OrderedDict()
+        self._queue: queue.Queue[PeerWatch | None] = queue.Queue(max_pending)
+        #: failures by reason, appended by both threads, counted by :meth:`count_failures`
+        self._failures: deque[str] = deque()
+        self._worker: threading.Thread | None = None
+        self._stopping = False
+        # The watch of each live process, shared by its connections; its pidfds are closed
+        # when the last holder lets it go.  Arming happens under the lock: the loop's
+        # scan_now and the worker may settle the same watch.
+        self._by_pids: weakref.WeakValueDictionary[tuple[int, ...], PeerProcess]
+        self._by_pids = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
+        self._scan_errors = BurstLog(logger)
+        self._failure_log = BurstLog(logger)
+
+    def watch(self, fd: int) -> PeerWatch | None:
+        """The watch of the process at the other end of the connection whose message came
+        in on descriptor ``fd``, read while that message is handled (None: it cannot be
+        told).  Never scans: a connection seen for the first time gets a pending watch."""
+        if fd < 0:
+            return None
+        try:
+            inode = os.fstat(fd).st_ino
+        except OSError:
+            return None
+        known = self._of.get((fd, inode))
+        if known is not None:
+            self._of.move_to_end((fd, inode))
+            return known
+        peer = peer_socket(fd)
+        if peer is None:
+            return None  # not a socket whose far end the kernel names: nothing to scan
+        watch = PeerWatch(peer)
+        if not self._submit(watch):
+            return watch  # given up (counted): pending for ever, looked up again next time
+        self._of[(fd, inode)] = watch
+        if len(self._of) > self._max_connections:
+            self._of.popitem(last=False)
+        return watch
+
+    def scan_now(self, watch: PeerWatch) -> None:
+        """Settle a pending ``watch`` here and now (a scan on the caller's thread), unless
+        the stop has begun; the worker skips it once armed."""
+        if not watch.armed.is_set() and not self._stopping:
+            self._settle(watch)
+
+    def _submit(self, watch: PeerWatch) -> bool:
+        if self._stopping:
+            return False
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
+            self._worker.start()
+        try:
+            self._queue.put_nowait(watch)
+        except queue.Full:
+            self._failures.append(self.given_up)
+            return False
+        return True
+
+    def _run(self) -> None:
+        while (watch := self._queue.get()) is not None:
+            if self._stopping:
+                self._failures.append(self.given_up)
+            elif not watch.armed.is_set():
+                self._settle(watch)
+
+    def _settle(self, watch: PeerWatch) -> None:
+        try:
+            found = self._scan(watch.peer)
+        except Exception as exc:  # a scan must never end the worker: the connection stays unknown
+            self._scan_errors.warn(self.failed, "a client connection's process lookup raised: %s", exc)
+            self._failures.append(self.failed)
+            found = None
+        with self._lock:
+            if watch.armed.is_set():  # settled meanwhile by the other thread
+                if found is not None:
+                    found.close()
+                return
+            if found is not None:
+                shared = self._by_pids.get(found.pids)
+                if shared is not None and not shared.exited():
+                    found.close()  # a pid names one process while it lives: this one
+                    found = shared
+                else:
+                    self._by_pids[found.pids] = found
+            watch.arm(found)
+
+    def take_failures(self) -> Counter[str]:
+        """Scans failed or given up since the last call, by reason."""
+        taken: Counter[str] = Counter()
+        while self._failures:
+            taken[self._failures.popleft()] += 1
+        return taken
+
+    def count_failures(self, count: Callable[[str, int], None]) -> None:
+        """Count (``count(reason, n)``) and log the scans failed or given up since the last
+        call: their connections' fences stay until the client ends its writes itself."""
+        for reason, n in self.take_failures().items():
+            count(reason, n)
+            self._failure_log.warn(
+                reason,
+                "%d client connections' process lookups %s; the fences of their writes are lifted "
+                "only when the client ends them [%s]",
+                n,
+                "failed" if reason == self.failed else "were given up",
+                reason,
+                count=n,
+            )
+
+    def close(self) -> None:
+        """At the stop: forget every connection and end the worker; scans not run yet are
+        given up (whoever holds a watch closes it when letting it go)."""
+        self._stopping = True
+        self._of.clear()
+        while True:  # what waits is never scanned now
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._failures.append(self.given_up)
+        if self._worker is not None:
+            self._queue.put_nowait(None)
+            self._worker.join(timeout=1.0)  # one scan may be running: it is let finish

@@ -1,0 +1,202 @@
+"""Each connection's process, looked up once and off the caller's thread.
+
+The scanner is the real one (``watch_peer_socket``) behind a gate these tests hold, so a
+pending lookup can be seen keeping its process "alive" after the process exited, and a
+lookup run at once (``scan_now``) seen settling a watch the worker then leaves alone.
+Clients are real processes connected over a Unix socket.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmcache_tiers.peer_process import PeerProcess, PeerSocket, watch_peer_socket
+from lmcache_tiers.peer_scan import ConnectionPeers
+
+#: connects to the Unix socket argv[1], says so, then waits to be killed
+CLIENT = """
+import socket, sys, time
+sock = socket.socket(socket.AF_UNIX)
+sock.connect(sys.argv[1])
+print("connected", flush=True)
+time.sleep(3600)
+"""
+#: how long a gated scan waits at most: a test that fails must not leave it for ever
+GATE_S = 60.0
+
+
+class GatedScanner:
+    """The real scan; the first ``gated`` lookups wait for :attr:`gate` before handing
+    their result back (found while the client lived)."""
+
+    def __init__(self, gated: int = 1) -> None:
+        self.gated = gated
+        self.gate = threading.Event()
+        self.scanned = threading.Event()
+        self.calls: list[tuple[PeerSocket, str]] = []
+
+    def __call__(self, peer: PeerSocket) -> PeerProcess | None:
+        self.calls.append((peer, threading.current_thread().name))
+        watch = watch_peer_socket(peer)
+        if len(self.calls) <= self.gated:
+            self.scanned.set()
+            self.gate.wait(GATE_S)
+        return watch
+
+
+@pytest.fixture
+def listener(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:
+    path = str(tmp_path / "peer.sock")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(path)
+        sock.listen(8)
+        yield sock, path
+
+
+@pytest.fixture
+def clients(listener: tuple[socket.socket, str]) -> Iterator[Any]:
+    sock, path = listener
+    started: list[tuple[subprocess.Popen[str], socket.socket]] = []
+
+    def connect() -> tuple[subprocess.Popen[str], socket.socket]:
+        process = subprocess.Popen([sys.executable, "-c", CLIENT, path], stdout=subprocess.PIPE, text=True)
+        assert process.stdout is not None
+        assert process.stdout.readline().strip() == "connected"
+        accepted, _ = sock.accept()
+        started.append((process, accepted))
+        return process, accepted
+
+    yield connect
+    for process, accepted in started:
+        process.kill()
+        process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+        accepted.close()
+
+
+@pytest.fixture
+def peers() -> Iterator[Any]:
+    made: list[ConnectionPeers] = []
+    scanners: list[GatedScanner] = []
+
+    def make(scanner: Any, **kwargs: Any) -> ConnectionPeers:
+        made.append(ConnectionPeers(scanner, **kwargs))
+        if isinstance(scanner, GatedScanner):
+            scanners.append(scanner)
+        return made[-1]
+
+    yield make
+    for scanner in scanners:
+        scanner.gate.set()
+    for each in made:
+        each.close()
+
+
+def test_a_pending_lookup_keeps_its_process_alive_until_armed(clients: Any, peers: Any) -> None:
+    scanner = GatedScanner()
+    connections = peers(scanner)
+    process, accepted = clients()
+    watch = connections.watch(accepted.fileno())
+    assert watch is not None
+    assert scanner.scanned.wait(GATE_S)  # found while the client lived, not armed yet
+    process.kill()
+    process.wait()
+    assert not watch.exited()  # pending: the fence waiting for it stays
+    assert connections.watch(accepted.fileno()) is watch  # one lookup per connection
+    scanner.gate.set()
+    assert watch.armed.wait(GATE_S)
+    assert watch.process is not None and watch.process.pids == (process.pid,)
+    assert watch.exited()
+    assert [name for _, name in scanner.calls] == ["peer-scan"]
+
+
+def test_scan_now_settles_a_queued_watch_and_the_worker_leaves_it(clients: Any, peers: Any) -> None:
+    scanner = GatedScanner()
+    connections = peers(scanner)
+    _, first_accepted = clients()
+    second, second_accepted = clients()
+    held = connections.watch(first_accepted.fileno())
+    assert scanner.scanned.wait(GATE_S)  # the worker is held: the next one waits in the queue
+    queued = connections.watch(second_accepted.fileno())
+    assert held is not None and queued is not None and not queued.armed.is_set()
+    connections.scan_now(queued)
+    assert queued.armed.is_set() and queued.process is not None
+    assert queued.process.pids == (second.pid,)
+    scanner.gate.set()
+    assert held.armed.wait(GATE_S)
+    connections.close()  # the worker has run what was queued
+    assert [name for _, name in scanner.calls] == ["peer-scan", threading.current_thread().name]
+    assert connections.take_failures() == Counter()
+
+
+def test_a_failed_lookup_is_counted_once_and_armed_unknown(clients: Any, peers: Any) -> None:
+    calls: list[PeerSocket] = []
+
+    def failing(peer: PeerSocket) -> PeerProcess | None:
+        calls.append(peer)
+        raise OSError("no /proc")
+
+    connections = peers(failing, failed="test_scan_failed", given_up="test_scan_given_up")
+    _, accepted = clients()
+    watch = connections.watch(accepted.fileno())
+    assert watch is not None and watch.armed.wait(GATE_S)
+    assert watch.process is None and not watch.exited()
+    assert connections.watch(accepted.fileno()) is watch  # remembered: not scanned again
+    counted: Counter[str] = Counter()
+    connections.count_failures(lambda reason, n: counted.update({reason: n}))
+    assert counted == {"test_scan_failed": 1}
+    assert len(calls) == 1
+
+
+def test_lookups_past_the_bound_are_given_up_and_counted(peers: Any) -> None:
+    """Those past ``max_pending`` are given up (counted), pending for ever, and looked up
+    again at their connection's next message; those still waiting at the stop too."""
+    scanner = GatedScanner()
+    connections = peers(scanner, max_pending=1)
+    pairs = [socket.socketpair() for _ in range(3)]
+    try:
+        running = connections.watch(pairs[0][0].fileno())
+        assert scanner.scanned.wait(GATE_S)  # the worker holds it: the queue is empty
+        queued = connections.watch(pairs[1][0].fileno())
+        given_up = connections.watch(pairs[2][0].fileno())
+        assert running is not None and queued is not None and given_up is not None
+        assert connections.take_failures() == {"peer_scan_given_up": 1}
+        assert not given_up.exited() and not given_up.armed.is_set()
+        assert connections.watch(pairs[2][0].fileno()) is not given_up  # asked again
+        assert connections.take_failures() == {"peer_scan_given_up": 1}
+        scanner.gate.set()
+        assert running.armed.wait(GATE_S)
+        assert running.process is not None and not running.exited()  # this process lives
+        connections.close()
+        failures = connections.take_failures()
+        assert queued.armed.is_set() or failures == {"peer_scan_given_up": 1}
+    finally:
+        scanner.gate.set()
+        for pair in pairs:
+            for end in pair:
+                end.close()
+
+
+def test_connections_of_one_process_share_its_watch(peers: Any, listener: Any) -> None:
+    connections = peers(watch_peer_socket)
+    with socket.socket(socket.AF_UNIX) as mine:  # this process, twice
+        mine.connect(listener[1])
+        near, _ = listener[0].accept()
+        with socket.socket(socket.AF_UNIX) as again:
+            again.connect(listener[1])
+            other, _ = listener[0].accept()
+            with near, other:
+                one, two = connections.watch(near.fileno()), connections.watch(other.fileno())
+                assert one is not None and two is not None and one is not two
+                assert one.armed.wait(GATE_S) and two.armed.wait(GATE_S)
+                assert one.process is not None and one.process is two.process
