@@ -108,9 +108,12 @@ _CONNECTIONS: weakref.WeakSet[Connection] = weakref.WeakSet()
 def _reset_after_fork() -> None:
     # A lock another thread held when the process forked stays held in the child, where
     # that thread does not exist: a call there would wait forever for it instead of being
-    # refused (see ``_header``), and so would ``close``.
+    # refused (see ``_header``), and so would ``close``.  Every connection of the parent is
+    # marked as inherited here, once, rather than by comparing ``os.getpid()`` on every
+    # request: a system call, a noticeable share of a LOOKUP.
     for connection in list(_CONNECTIONS):
         connection._lock = threading.RLock()
+        connection._inherited = True
 
 
 if hasattr(os, "register_at_fork"):
@@ -201,7 +204,8 @@ class Connection:
             raise ClientError(f"auth token and client name are limited to {p.MAX_TOKEN_LEN} characters")
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
-        self._pid = os.getpid()
+        # set in a forked child, where the socket is the parent's (see _reset_after_fork)
+        self._inherited = False
         _CONNECTIONS.add(self)
         self._name = name
         self._closed = False
@@ -277,7 +281,7 @@ class Connection:
         self._closed = True  # before the lock: calls waiting for it find the client closed
         with self._lock:
             try:
-                if os.getpid() == self._pid:
+                if not self._inherited:
                     with contextlib.suppress(ClientError, zmq.ZMQError):
                         self._settle_before_close()
             finally:  # Ctrl-C during that wait ends the wait, not the closing
@@ -369,7 +373,7 @@ class Connection:
 
         A drop is reported by the socket's I/O thread before it reconnects, so once a reply
         came over a new connection, this sees the drop."""
-        if not self._dropped and self._monitor is not None and not self._closed and os.getpid() == self._pid:
+        if not self._dropped and self._monitor is not None and not self._closed and not self._inherited:
             with self._lock:
                 if not self._closed:  # closed while this waited for the lock
                     self._read_link_events()
@@ -416,7 +420,7 @@ class Connection:
         """Whether a request sent at ``sent_at`` (its ``_link_epoch``) can no longer be
         answered (caller holds the lock): the socket has no connection to the server now,
         or the one the request went over has dropped since, even if another has come up."""
-        if os.getpid() != self._pid:
+        if self._inherited:
             return False
         self._read_link_events()
         return self._unlinked or self._drops > sent_at
@@ -543,7 +547,7 @@ class Connection:
         """Number ``request``, sign it with the token and encode it."""
         if self._closed:
             raise ClientError("the client is closed")
-        if os.getpid() != self._pid:
+        if self._inherited:
             raise ClientError("a Client cannot be used in a forked child; create a new one there")
         request.req_id = next(self._ids)
         request.token = self._token
