@@ -460,7 +460,11 @@ class Client(Connection):
         More keys than the server takes in one request are looked up part by part, each
         part only while the one before it was a full hit (the answer is a prefix).
         """
-        return self._lookup(checked_keys(keys), self._call_seconds(timeout))
+        listed = checked_keys(keys)
+        limit = self._call_seconds(timeout)
+        if 0 < len(listed) <= self.max_keys:  # one request, the usual case: no hop through _lookup
+            return self._lookup_part(listed, time.monotonic() + limit, limit)
+        return self._lookup(listed, limit)
 
     def _lookup(self, keys: list[ObjectKey], limit: float) -> int:
         """``lookup`` within ``limit`` seconds (zero: no wait for a prefetch)."""

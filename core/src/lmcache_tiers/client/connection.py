@@ -75,6 +75,7 @@ _HANDSHAKE_SUCCEEDED = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
 _raw_send = zmq.backend.Socket.send
 _raw_recv = zmq.backend.Socket.recv
 _raw_get = zmq.backend.Socket.get
+_decode_reply = p.reply_decoder.decode
 #: the default bound on a clean-up call (the RELEASE or STORE_ABORT after a call cut
 #: short, the settling of late replies on ``close``): it runs after a failure, often
 #: against a server that did not answer, and must not hold the caller up for a whole
@@ -471,7 +472,10 @@ class Connection:
         req_id = request.req_id
         # Outstanding before the send: an exception right after it (a signal handler's)
         # leaves a request whose reply may come, given up on below like an unanswered one.
-        self._outstanding[req_id] = self._link_epoch(now)
+        # Its _link_epoch, without the call when the events were read recently enough.
+        if now - self._events_read_at > _EVENTS_FRESH_S:
+            self._read_link_events()
+        self._outstanding[req_id] = self._drops - 1 if self._unlinked else self._drops
         try:
             try:
                 _raw_send(sock, header, _NOBLOCK)
@@ -482,17 +486,18 @@ class Connection:
                 first = _raw_recv(sock, 0, False)
             except zmq.Again:
                 return self._await(request, expect, deadline)[0]  # no reply yet: times out there
-            data: bytes = first.bytes
             if first.more:
-                frames = [data, *_rest_of_message(sock)]
+                frames = [first.bytes, *_rest_of_message(sock)]
                 self._early_or_settle(frames)
                 return self._await(request, expect, deadline)[0]
             try:
-                reply = p.reply_decoder.decode(data)
+                # From the frame's own buffer (pyzmq's stubs do not say a Frame is one): its
+                # copy as bytes is only needed below.
+                reply = _decode_reply(first)  # type: ignore[arg-type]
             except msgspec.DecodeError as exc:
                 raise ProtocolError(f"undecodable reply from {self.url}: {exc}") from None
             if reply.req_id != req_id:
-                self._early_or_settle([data], reply)
+                self._early_or_settle([first.bytes], reply)
                 return self._await(request, expect, deadline)[0]
         except BaseException:
             self._give_up(request)
@@ -555,8 +560,14 @@ class Connection:
         if type(keys) is list and keys:
             # An engine asks about the same prompt again and again (each scheduler step
             # while it waits), then retrieves it: the key list's msgpack is kept and put in
-            # the header as it is, the very bytes encoding the keys would give.
-            header = p.encode(msgspec.structs.replace(request, keys=self._encoded_keys(keys)))
+            # the header as it is, the very bytes encoding the keys would give.  It stands
+            # in for the list in the request itself while that is encoded (a copy of the
+            # request costs more), which keeps its keys for ``_remember_orphan``.
+            request.keys = self._encoded_keys(keys)  # type: ignore[attr-defined]
+            try:
+                header = p.encode(request)
+            finally:
+                request.keys = keys  # type: ignore[attr-defined]
         else:
             header = p.encode(request)
         if len(header) > p.MAX_HEADER_BYTES:
