@@ -128,10 +128,12 @@ def test_sigterm_as_serve_lingers_for_stuck_threads_ends_it(tmp_path: Path) -> N
     assert "as the command started" not in err
 
 
-def test_sigterm_to_a_client_command_at_work_says_it_stopped_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_to_a_client_command_at_work_says_it_stopped_it(tmp_path: Path, sig: int) -> None:
     """status and bench have no stop handling of their own: a SIGTERM while they waited
     for a server (their note printed, long after start-up) ended them with exit 143 and a
-    line saying it came "as the command started"."""
+    line saying it came "as the command started"; a Ctrl-C there ended them with exit 130
+    and only a blank line, typer having turned the KeyboardInterrupt into a silent exit."""
     url = f"tcp://127.0.0.1:{free_port()}"  # nothing listens: each waits out --timeout
     commands = {
         "status": ["status", "--url", url, "--timeout", "300", "--json"],
@@ -155,13 +157,13 @@ def test_sigterm_to_a_client_command_at_work_says_it_stopped_it(tmp_path: Path) 
                 assert process.poll() is None, (name, err_path.read_text())
                 assert time.monotonic() < deadline, (name, "never waited for the server")
                 time.sleep(0.05)
-            process.send_signal(signal.SIGTERM)
+            process.send_signal(sig)
         for name, (process, err_path) in running.items():
             code = process.wait(HOLD_S)
             lines = [line for line in err_path.read_text().splitlines() if line.strip()]
-            assert code == 128 + signal.SIGTERM, (name, lines)
+            assert code == 128 + sig, (name, lines)
             assert lines[0].startswith("note: no answer from"), (name, lines)
-            assert lines[1:] == ["error: stopped by SIGTERM"], (name, lines)
+            assert lines[1:] == [f"error: stopped by {signal.Signals(sig).name}"], (name, lines)
     finally:
         for process, _err_path in running.values():
             process.kill()

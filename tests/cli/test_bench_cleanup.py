@@ -300,7 +300,7 @@ def test_a_run_stopped_by_ctrl_c_deletes_what_it_stored(
 def test_a_run_stopped_by_ctrl_c_on_a_dead_server_says_what_it_leaves(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # The CLI turns Ctrl-C into exit 130 without printing the interrupt or its notes: what
+    # The CLI turns Ctrl-C into exit 130 and one line naming the signal, not the run's notes: what
     # the run could not delete must reach the user as a log line (stderr) of its own.
     _url, failure = _bench_whose_server_is_killed_at_the_lookups(tmp_path, KeyboardInterrupt)
     assert isinstance(failure, KeyboardInterrupt), repr(failure)

@@ -55,14 +55,21 @@ def build_app(with_plugin_commands: bool = True) -> typer.Typer:
         context_settings={"help_option_names": HELP_OPTION_NAMES},
     )
 
-    @app.callback()
     def _root(
+        ctx: typer.Context,
         version: bool = typer.Option(
             False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
         ),
     ) -> None:
         """Two-level KV-cache storage server for LLM inference engines."""
-        command_running()  # the command line parsed as far as the command: start-up is over
+        # The command line parsed as far as the command: start-up is over, until the root
+        # context closes once the command returned or raised.
+        ctx.with_resource(command_running())
+
+    # typer reads the annotations from the module's globals, where typer is not imported
+    # (see above): the context's is given as the class itself.
+    _root.__annotations__["ctx"] = typer.Context
+    app.callback()(_root)
 
     app.command("serve")(serve_cmd.make_serve(plugin_set))
     app.add_typer(plugins_cmd.app, name="plugins")

@@ -66,11 +66,23 @@ def handed_over() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def command_running() -> None:
+@contextlib.contextmanager
+def command_running() -> Iterator[None]:
     """Start-up is over: the command line is parsed and the command's own code runs.  A
     stop signal from here on is reported as stopping the command (a client waiting for
-    its server, a plugin's command at work), not as having come while it started."""
+    its server, a plugin's command at work), not as having come while it started.
+
+    Held around the command's run (a resource of the root context): a KeyboardInterrupt
+    the command left unhandled leaves it as SIGINT's SystemExit, which typer lets through
+    to :func:`ended_at_start`; as a KeyboardInterrupt, typer turned it into a silent exit
+    130 and Ctrl-C said nothing where SIGTERM says "stopped by SIGTERM"."""
     _running.set()
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        stop = SystemExit(128 + signal.SIGINT)
+        setattr(stop, SIGNAL_MARK, signal.SIGINT)
+        raise stop from exc
 
 
 @contextlib.contextmanager
