@@ -24,10 +24,15 @@ request and loads it later), ``lookup+load`` both timed (what fetching one chunk
 end to end; redis-py's single ``GET`` needs no lookup, the adapter's contract pins and
 sizes a chunk first, so this row is the adapter's worst case).  Rounds interleave the two
 methods, and latencies interleave them object by object (a busy machine's drift hits both
-alike); throughput is the median of ``--repeat`` rounds, latency percentiles are over
-every object of every round, each printed next to redis-py's and with the ratio of
-redis-py's latency to the adapter's (>= 0.8 is the target; throughput ratios are medians
-of per-round ratios, which cancels most of a shared machine's drift).
+alike).  Each method's objects are deleted once it has loaded them, so every method stores
+into a server holding none of the others', into memory the one before it freed: left
+stored, the later methods' values took new pages the server had to fault in (~65,000 a
+round of 256 MiB) where redis-py's, the first of a round, reused some the last round freed
+(~45,000 faults), a head start that was the bench's order, not the client's.  Throughput
+is the median of ``--repeat`` rounds, latency percentiles are over every object of every
+round, each printed next to redis-py's and with the ratio of redis-py's latency to the
+adapter's (>= 0.8 is the target; throughput ratios are medians of per-round ratios, which
+cancels most of a shared machine's drift).
 
     python bench/bench_redis.py [--objects 256] [--size-mib 1] [--batch 32] [--repeat 5] [--json]
 """
@@ -230,6 +235,9 @@ def run(objects: int, size: int, batch: int, repeat: int) -> dict[str, dict[str,
                     np.frombuffer(dest, dtype=np.uint8)[:] = 0  # a load must write every byte
                     rounds[name]["load"].append(objects * size / timed(method.load, objects, batch) / 1e9)
                     assert bytes(dest) == bytes(source), f"{name} loaded other bytes"
+                    # Every method's stores find the server as redis-py's do, its memory the
+                    # one before just freed (see the docstring).
+                    method.clear()
                 one_at_a_time(direct, through, objects, rounds)
                 np.frombuffer(dest, dtype=np.uint8)[:] = 0
                 for index in range(objects):  # the last object-at-a-time pass was the adapter's
