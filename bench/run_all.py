@@ -63,7 +63,7 @@ class Bench:
 
 BENCHES = (
     Bench("server", "bench_server.py", ("--chunks", "32", "--lookup-requests", "5000")),
-    Bench("workload", "bench_workload.py", ("--rounds", "3", "--direct")),
+    Bench("workload", "bench_workload.py", ("--rounds", "12", "--direct")),
     Bench("nixl", "bench_nixl.py", ("--cases", "64x1,16x16", "--repeat", "5")),
     Bench(
         "fs",
