@@ -46,6 +46,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -118,14 +119,13 @@ class ExtentLeases:
         # collector stops tracking: 100k quarantined at once brought full collections.
         self._ends: list[tuple[float, int]] = []
         # Extents held with no ``_Held`` record, by offset: those held for the grace period
-        # of expired locks alone (no reader left on them, no store reading them), their end
-        # in ``_grace_ends``, and the fenced (no end).  The bulk of a mass expiry: each is
-        # kept as its object (tracked by the garbage collector already, and long-lived) and
-        # at most a float, so that holding one allocates nothing the collector keeps
-        # tracking: a record each made 100k write reservations past their TTL pile up
-        # survivors that brought full collections of 40-130 ms into the reap passes.
+        # of expired locks alone (no reader left on them, no store reading them) and the
+        # fenced, their end in the object's ``held_until`` (inf: none).  The bulk of a mass
+        # expiry: each is kept as its object (tracked by the garbage collector already, and
+        # long-lived), so that holding one allocates nothing the collector keeps tracking:
+        # a record each made 100k write reservations past their TTL pile up survivors that
+        # brought full collections of 40-130 ms into the reap passes.
         self._bare: dict[int, L1Object] = {}
-        self._grace_ends: dict[int, float] = {}
         self.quarantined_bytes = 0
         self.fenced_bytes = 0
         self._fenced = 0
@@ -222,15 +222,15 @@ class ExtentLeases:
         """Hold ``obj``'s extent, with no record, until ``until``, the end of its expired
         locks' grace period; a fenced one (None) until ``writers_done`` names it.  Nothing
         else gives it back."""
-        offset = obj.offset
-        self._bare[offset] = obj
+        self._bare[obj.offset] = obj
         self.quarantined_bytes += obj.extent_bytes
         if until is None:
+            obj.held_until = math.inf
             self.fenced_bytes += obj.extent_bytes
             self._fenced += 1
             return
-        self._grace_ends[offset] = until
-        heapq.heappush(self._ends, (until, offset))
+        obj.held_until = until
+        heapq.heappush(self._ends, (until, obj.offset))
 
     def _end_at(self, entry: _Held, until: float) -> None:
         """``entry`` is reclaimed at ``until``."""
@@ -309,12 +309,12 @@ class ExtentLeases:
     def writers_done(self, objs: Sequence[L1Object]) -> int:
         """The writers of ``objs`` have stopped copying into them (they committed or
         aborted): those fenced go back now; returns how many did."""
-        bare, grace_ends = self._bare, self._grace_ends
+        bare = self._bare
         done: list[int] = []
         done_bytes = 0
         for obj in objs:
             offset = obj.offset
-            if bare.get(offset) is obj and offset not in grace_ends:
+            if bare.get(offset) is obj and obj.held_until == math.inf:
                 del bare[offset]
                 done.append(offset)
                 done_bytes += obj.extent_bytes
@@ -335,7 +335,7 @@ class ExtentLeases:
         if self._lapsed:
             self._prune_lapsed(now, budget)
         ends, by_offset = self._ends, self._by_offset
-        bare, grace_ends = self._bare, self._grace_ends
+        bare = self._bare
         looks = len(ends) if budget is None else budget
         # An entry pushed again at the same end comes up twice: a dict takes it once.
         due: dict[_Held, None] = {}
@@ -348,9 +348,10 @@ class ExtentLeases:
             if entry is None:
                 # Held for a grace period alone, or not held: an end left in the heap by
                 # an earlier hold of the extent matches only an end that is due as well.
-                if grace_ends.get(offset) == until:
-                    del grace_ends[offset]
-                    lapsed_bytes += bare.pop(offset).extent_bytes
+                held = bare.get(offset)
+                if held is not None and held.held_until == until:
+                    del bare[offset]
+                    lapsed_bytes += held.extent_bytes
                     lapsed_offsets.append(offset)
                 continue
             if entry.until != until:
@@ -470,7 +471,6 @@ class ExtentLeases:
         self._lapsed.clear()
         self._ends.clear()
         self._bare.clear()
-        self._grace_ends.clear()
         self.quarantined_bytes = 0
         self.fenced_bytes = 0
         self._fenced = 0

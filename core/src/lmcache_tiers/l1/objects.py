@@ -59,6 +59,10 @@ class L1Object:
     #: reserved by a writer that copies into the shared arena itself: if the reservation
     #: expires, its extent is fenced until that writer says it stopped (``l1/leases.py``)
     fenced: bool = field(default=False, repr=False)
+    #: once it left L1 with its extent held for its expired locks' grace period alone, the
+    #: end of that period (inf: fenced); kept here so that the hold allocates nothing
+    #: (``l1/leases.py``)
+    held_until: float = field(default=0.0, repr=False)
 
     @property
     def locked(self) -> bool:
