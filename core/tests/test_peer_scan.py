@@ -153,7 +153,7 @@ def test_a_failed_lookup_is_counted_once_and_armed_unknown(clients: Any, peers: 
     assert watch.process is None and not watch.exited()
     assert connections.watch(accepted.fileno()) is watch  # remembered: not scanned again
     counted: Counter[str] = Counter()
-    connections.count_failures(lambda reason, n: counted.update({reason: n}))
+    connections.count_failures(lambda reason, n: counted.update({reason: n}), lambda reason: "kept")
     assert counted == {"test_scan_failed": 1}
     assert len(calls) == 1
 

@@ -195,17 +195,17 @@ class ConnectionPeers:
             taken[self._failures.popleft()] += 1
         return taken
 
-    def count_failures(self, count: Callable[[str, int], None]) -> None:
+    def count_failures(self, count: Callable[[str, int], None], meaning: Callable[[str], str]) -> None:
         """Count (``count(reason, n)``) and log the scans failed or given up since the last
-        call: their connections' fences stay until the client ends its writes itself."""
+        call; ``meaning(reason)`` says what that does to their connections' fences."""
         for reason, n in self.take_failures().items():
             count(reason, n)
             self._failure_log.warn(
                 reason,
-                "%d client connections' process lookups %s; the fences of their writes are lifted "
-                "only when the client ends them [%s]",
+                "%d client connections' process lookups %s; %s [%s]",
                 n,
                 "failed" if reason == self.failed else "were given up",
+                meaning(reason),
                 reason,
                 count=n,
             )

@@ -157,19 +157,25 @@ sys.stdin.read()
 """
 
 
-def test_an_older_clients_commit_after_a_drop_is_tied_to_its_store_by_the_kernel(
-    server: TiersServer, processes: list[subprocess.Popen[str]]
-) -> None:
-    """Its new connection carries no HELLO pid, but the kernel names the same process at
-    both connections: the commit commits the reservation made under the old identity,
-    which used to be refused (reservation_lost) and stay fenced while the process lived."""
+def older_client_stores_across_a_drop(server: TiersServer, started: list[subprocess.Popen[str]]) -> None:
+    """An older client's store whose connection drops before its copy is stored (its
+    commit, over the new connection, taken), as another client reads."""
     writer = start(OLDER_CLIENT_DROPPED, server.endpoint, os.path.dirname(__file__))
-    processes.append(writer)
+    started.append(writer)
     says(writer, "1")
     with Client(server.endpoint) as reader:
         key = ObjectKey("kernel-pid", 0, b"older000")
         assert reader.lookup([key]) == 1
         with reader.retrieve([key]) as views:
             assert bytes(views[0]) == bytes([0x5A]) * CHUNK
+
+
+def test_an_older_clients_commit_after_a_drop_is_tied_to_its_store_by_the_kernel(
+    server: TiersServer, processes: list[subprocess.Popen[str]]
+) -> None:
+    """Its new connection carries no HELLO pid, but the kernel names the same process at
+    both connections: the commit commits the reservation made under the old identity,
+    which used to be refused (reservation_lost) and stay fenced while the process lived."""
+    older_client_stores_across_a_drop(server, processes)
     sessions = server.frontends[0].handlers.sessions
     assert not any(session.writes or session.fenced for session in sessions)

@@ -589,7 +589,7 @@ class Handlers:
         extents would stay fenced while the process lives.  Another client reserving and
         committing a key holds its own reservation of it, so it never lifts the fence of a
         writer that may still be copying."""
-        current = self.writers.of_request(identity, self._source_fd())
+        current = self.writers.of_request(self._source_fd())
         for earlier in self.sessions:
             if earlier.identity == identity or not (earlier.writes or earlier.fenced):
                 continue
@@ -618,17 +618,14 @@ class Handlers:
                 len(objs),
                 given_back,
             )
+        self.writers.count_failures(self.stats.failure)
 
     def _note_writer(self, session: Session, identity: bytes) -> None:
         """Keep the watch of the process reserving for ``session`` now (``writers.py``)."""
-        watch = self.writers.of_request(identity, self._source_fd())
-        writers = session.writers
+        watch = self.writers.of_request(self._source_fd())
         if not (session.writes or session.fenced):
-            writers.clear()  # what reserved before is done with: its exit lifts nothing
-        # One watch per live process: a client reserving over many connections (or over
-        # one, again and again) adds none.
-        if not any(writer is watch or _same_live_process(writer, watch) for writer in writers):
-            writers.append(watch)
+            session.writers.clear()  # what reserved before is done with: its exit lifts nothing
+        self.writers.note(session.writers, watch)
 
     def _forget_writers_if_idle(self, session: Session) -> None:
         """A session holding no reservation forgets who reserved: their exits lift nothing."""
@@ -1014,12 +1011,9 @@ class Handlers:
             session.writes.clear()
             session.prefetches.clear()
         self.writers.close()
+        self.writers.count_failures(self.stats.failure)  # lookups given up at the stop
         self.stats.released_at_stop_locks = locks
         self.stats.released_at_stop_reservations = writes
-
-
-def _same_live_process(one: Any, other: Any) -> bool:
-    return one is not None and other is not None and one.pids == other.pids and not one.exited()
 
 
 class PoolRequest:

@@ -115,7 +115,7 @@ class Session:
     #: client's commit or abort of the key says it stopped copying (``Handlers``); at most
     #: one per key: a key with one is not reserved for this client again meanwhile
     fenced: dict[ObjectKey, Any] = field(default_factory=dict)
-    #: the watches (``PeerProcess``, None: not known) of the processes that reserved under
+    #: the watches (``PeerWatch``, None: not known) of the processes that reserved under
     #: this identity since it last held no reservation: its fences are lifted once all of
     #: them have exited (``writers.py``)
     writers: list[Any] = field(default_factory=list)

@@ -22,11 +22,28 @@ keeps its fenced extents until it commits or aborts them.  Left: where the kerne
 tell, a client in another pid namespace whose reported pid happens to name another
 client here mapping the arena would be released when that one exits.
 
+The kernel is asked through core's ``ConnectionPeers`` (``lmcache_tiers.peer_scan``, as the
+LMCache front end), once per connection (descriptor and socket inode), off the loop thread:
+over loopback TCP the owner is found by a scan of every process's descriptors (2-7 ms with
+100 processes, 27-59 ms with 2,100), and the arena check reads the process's maps, which
+held every other client's requests up at each connection's first STORE_RESERVE.  The loop
+reads only the connection's far end; a worker thread scans, checks the maps and arms the
+connection's ``PeerWatch``.  Until then the watch is pending and counts as a live writer:
+the fences stay (the HELLO pid is not asked meanwhile).  A scan that raised
+(``peer_scan_failed``) is counted and logged, and the HELLO pid stands in as where the
+kernel cannot tell; one given up (``peer_scan_given_up``: over 1,024 connections waiting
+for theirs, or the server stopping) stays pending, so its fences wait for the client's
+commit or abort; the connection is looked up again at its next STORE_RESERVE.  Only a
+commit or abort of keys its client holds no reservation of, while another client holds
+reservations (a client back after a drop, :meth:`WriterProcesses.same_process`), settles a
+pending lookup on the loop thread: it cannot be answered right without the process, and
+each connection is scanned once.
+
 Each session keeps the watches of the processes that reserved under its identity since it
 last held nothing (``Session.writers``): a routing identity a client chose may come back
 from another process, so its fences are lifted only once all of them have exited.
 
-Only the server's loop thread calls these methods.
+Only the server's loop thread calls these methods (the scan worker runs :attr:`scan`).
 """
 
 from __future__ import annotations
@@ -34,23 +51,27 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-from lmcache_tiers.plugin import PeerProcess, watch_peer
+from lmcache_tiers.plugin import (
+    ConnectionPeers,
+    PeerProcess,
+    PeerScanner,
+    PeerSocket,
+    PeerWatch,
+    watch_peer_socket,
+)
 
 #: HELLO pids kept (past it, the oldest of a peer holding nothing is dropped): a peer
 #: picks its identity, so the table is bounded
 MAX_PIDS = 4096
 
-#: connections whose kernel lookup is remembered (past it, the oldest is forgotten and
-#: looked up again at its next store): sessions keep their own watches
-MAX_CONNECTIONS = 4096
-
 
 class WriterProcesses:
     """Watches of the processes at the other end of clients' connections.
 
-    A session's ``writers`` hold the kernel's watch of each process that reserved under its
-    identity, or None where the kernel could not tell: the HELLO pid of that identity
-    stands in for it, watched once asked (``_by_hello``, dropped by :meth:`forget`)."""
+    A session's ``writers`` hold the kernel's watch of each connection that reserved under
+    its identity (a ``PeerWatch``), or None where the kernel could not tell at all; where
+    the watch names no process (armed with none) or there is none, the HELLO pid of that
+    identity stands in, watched once asked (``_by_hello``, dropped by :meth:`forget`)."""
 
     def __init__(self, shm_device: int, shm_inode: int, holds: Callable[[bytes], bool]) -> None:
         """``holds(identity)``: whether that client holds anything (a session) now."""
@@ -60,8 +81,19 @@ class WriterProcesses:
         self._pids: dict[bytes, int] = {}
         #: identity -> the watch of its HELLO pid (None: not a process mapping the arena)
         self._by_hello: dict[bytes, PeerProcess | None] = {}
-        #: identity -> (inode of the server's socket, the kernel's watch of its process or None)
-        self._by_kernel: dict[bytes, tuple[int, PeerProcess | None]] = {}
+        #: what finds a connection's writer, run on the scan worker (:meth:`watch_writer`)
+        self.scan: PeerScanner = self.watch_writer
+        self.connections = ConnectionPeers(
+            lambda peer: self.scan(peer),
+            failed="peer_scan_failed",
+            given_up="peer_scan_given_up",
+            thread_name="native-peer-scan",
+        )
+
+    def watch_writer(self, peer: PeerSocket) -> PeerProcess | None:
+        """The watch of the processes at ``peer`` if one maps the arena (a scan, then
+        their maps: the scan worker's), else None."""
+        return self._mapping_the_arena(watch_peer_socket(peer))
 
     def hello(self, identity: bytes, pid: int) -> None:
         pids = self._pids
@@ -74,36 +106,34 @@ class WriterProcesses:
             oldest = next((peer for peer in pids if not holds(peer)), next(iter(pids)))
             del pids[oldest]
 
-    def of_request(self, identity: bytes, fd: int) -> PeerProcess | None:
-        """The kernel's watch of the process of client ``identity`` whose request came in
-        on ``fd`` (-1: not known); None when the kernel cannot tell (the HELLO pid stands
-        in)."""
-        if fd < 0:
-            return None
-        try:
-            # The server socket's inode tells connections apart while it is open; a
-            # descriptor's number is reused once it closes.
-            inode = os.fstat(fd).st_ino
-        except OSError:
-            return None
-        known = self._by_kernel.get(identity)
-        if known is not None and known[0] == inode:
-            return known[1]
-        watch = self._mapping_the_arena(watch_peer(fd))
-        if known is not None:
-            del self._by_kernel[identity]
-        self._by_kernel[identity] = (inode, watch)
-        if len(self._by_kernel) > MAX_CONNECTIONS:
-            del self._by_kernel[next(iter(self._by_kernel))]
-        return watch
+    def of_request(self, fd: int) -> PeerWatch | None:
+        """The kernel's watch of the process whose request came in on ``fd`` (-1: not
+        known), pending until its scan ends; None when the kernel cannot tell at all."""
+        return self.connections.watch(fd)
 
-    def exited(self, identity: bytes, writers: Sequence[PeerProcess | None]) -> bool:
+    @staticmethod
+    def note(writers: list[PeerWatch | None], watch: PeerWatch | None) -> None:
+        """Add ``watch`` to a session's ``writers``: one per live process, so a client
+        reserving over many connections (or over one, again and again) adds none once its
+        lookups have ended; a watch armed since it was added may now name one kept."""
+        if watch not in writers:
+            writers.append(watch)
+        kept: list[PeerWatch | None] = []
+        for writer in writers:
+            if not any(_same_live_process(earlier, writer) for earlier in kept):
+                kept.append(writer)
+        writers[:] = kept
+
+    def exited(self, identity: bytes, writers: Sequence[PeerWatch | None]) -> bool:
         """Whether every process that reserved under ``identity`` (its session's
-        ``writers``) is known to have exited; False when that cannot be told."""
+        ``writers``) is known to have exited; False when that cannot be told, and while a
+        lookup is pending."""
         if not writers:
             return False
         for writer in writers:
-            watch = writer if writer is not None else self._hello_watch(identity)
+            if writer is not None and not writer.armed.is_set():
+                return False  # its process not known yet: taken as alive
+            watch = self._process_of(identity, writer)
             if watch is None or not watch.exited():
                 return False
         return True
@@ -111,31 +141,52 @@ class WriterProcesses:
     def same_process(
         self,
         earlier: bytes,
-        writers: Sequence[PeerProcess | None],
+        writers: Sequence[PeerWatch | None],
         identity: bytes,
-        current: PeerProcess | None,
+        current: PeerWatch | None,
     ) -> bool:
         """Whether the processes that reserved under ``earlier`` (its ``writers``) are all
         the live process of the request of ``identity`` (``current``: the kernel's watch of
         it): a client whose connection dropped and came back under a new identity.  Each
-        watch pins its process, so one alive names its pid still."""
-        if current is None:
+        watch pins its process, so one alive names its pid still.  A pending lookup is
+        settled here (once per connection); one that cannot be (the stop) tells nothing."""
+        if not writers or not self._settled(current):
+            return False
+        process = current.process if current is not None else None
+        if process is None:
             if self._pids.get(identity, 0) <= 0 or self._pids.get(identity) != self._pids.get(earlier):
                 return False  # not watched only to be told apart
-            current = self._hello_watch(identity)
-        if current is None or not writers or current.exited():
+            process = self._hello_watch(identity)
+        if process is None or process.exited():
             return False
         for writer in writers:
-            watch = writer if writer is not None else self._hello_watch(earlier)
-            if watch is None or watch.pids != current.pids or watch.exited():
+            if not self._settled(writer):
+                return False
+            watch = self._process_of(earlier, writer)
+            if watch is None or watch.pids != process.pids or watch.exited():
                 return False
         return True
+
+    def _settled(self, watch: PeerWatch | None) -> bool:
+        if watch is not None:
+            self.connections.scan_now(watch)
+            return watch.armed.is_set()
+        return True
+
+    def _process_of(self, identity: bytes, writer: PeerWatch | None) -> PeerProcess | None:
+        """The process a settled ``writer`` names, else the HELLO pid's of ``identity``."""
+        process = writer.process if writer is not None else None
+        return process if process is not None else self._hello_watch(identity)
 
     def forget(self, identity: bytes) -> None:
         """The client holds no reservation any more: stop watching its HELLO pid."""
         watch = self._by_hello.pop(identity, None)
         if watch is not None:
             watch.close()
+
+    def count_failures(self, count: Callable[[str, int], None]) -> None:
+        """Count and log the connections whose lookup failed or was given up."""
+        self.connections.count_failures(count, _meaning)
 
     def _hello_watch(self, identity: bytes) -> PeerProcess | None:
         if identity not in self._by_hello:
@@ -159,13 +210,28 @@ class WriterProcesses:
         return None
 
     def close(self) -> None:
-        """At the stop: forget every connection and HELLO (sessions holding a kernel watch
-        close it when they go)."""
-        self._by_kernel.clear()
+        """At the stop: forget every connection (lookups not run yet are given up) and
+        HELLO (sessions holding a kernel watch close it when they go)."""
+        self.connections.close()
         for watch in self._by_hello.values():
             if watch is not None:
                 watch.close()
         self._by_hello.clear()
+
+
+def _same_live_process(one: PeerWatch | None, other: PeerWatch | None) -> bool:
+    if one is None or other is None:
+        return one is other
+    if one is other:
+        return True
+    mine, theirs = one.process, other.process
+    return mine is not None and theirs is not None and mine.pids == theirs.pids and not mine.exited()
+
+
+def _meaning(reason: str) -> str:
+    if reason == "peer_scan_failed":
+        return "the pid their clients' HELLO reported stands in for the writer, where it maps the arena"
+    return "their fences stay until their clients commit or abort (looked up again at the next STORE_RESERVE)"
 
 
 def _watch_pid(pid: int) -> PeerProcess | None:
@@ -176,4 +242,4 @@ def _watch_pid(pid: int) -> PeerProcess | None:
     return PeerProcess((pid,), [pidfd])
 
 
-__all__ = ["MAX_CONNECTIONS", "MAX_PIDS", "WriterProcesses"]
+__all__ = ["MAX_PIDS", "WriterProcesses"]
