@@ -47,12 +47,25 @@ class ParkedDeletes:
         monkeypatch.setattr(backend, "delete_many", parked)
 
 
-def evict_in_background(storage: StorageManager) -> threading.Thread:
+def evict_in_background(storage: StorageManager, *, delete_deadline_s: float = 60.0) -> threading.Thread:
+    """An eviction of ``SIZE`` bytes on a thread of its own, whose delete is taken for hung
+    once ``delete_deadline_s`` passed (by default the parked delete is no hang)."""
     controller = storage.l2_evictions[0]
-    controller.delete_deadline_s = 60.0  # the parked delete is no hang
+    controller.delete_deadline_s = delete_deadline_s
     thread = threading.Thread(target=controller.evict, args=(SIZE,), daemon=True)
     thread.start()
     return thread
+
+
+def let_go(deletes: ParkedDeletes, evicting: threading.Thread) -> None:
+    """Open the gate of the parked deletes and wait for the eviction and for each delete's
+    own thread (an eviction whose wait was cut short, by a close or by its deadline, left
+    it running)."""
+    deletes.gate.set()
+    evicting.join(30)
+    for thread in threading.enumerate():
+        if thread.name.endswith("-delete"):
+            thread.join(30)
 
 
 def test_a_store_refused_by_a_running_delete_is_stored_again_once_it_ended(engine, monkeypatch) -> None:
@@ -74,8 +87,7 @@ def test_a_store_refused_by_a_running_delete_is_stored_again_once_it_ended(engin
         )
         assert storage.l1.get(key).unstored, "stored nowhere meanwhile: still protected in L1"
     finally:
-        deletes.gate.set()
-        evicting.join(30)
+        let_go(deletes, evicting)
     assert storage.flush(10)
     assert key in set(storage.adapters[0].iter_keys()), "the acknowledged write is in no L2"
     assert not storage.l1.get(key).unstored
@@ -133,12 +145,7 @@ def test_a_store_waiting_for_a_delete_that_never_ends_is_counted_at_the_stop(eng
         assert failures.get("l2_store_dropped_at_shutdown") == 1, failures
         assert "l2_store_failed" not in failures
     finally:
-        deletes.gate.set()
-        evicting.join(30)
-        # The close cut the eviction's wait short: its delete's own thread ends only now.
-        for thread in threading.enumerate():
-            if thread.name.endswith("-delete"):
-                thread.join(30)
+        let_go(deletes, evicting)  # the close cut the eviction's wait short
 
 
 def test_a_store_waiting_for_a_delete_past_its_deadline_is_given_up_and_the_flush_ends(
@@ -148,11 +155,8 @@ def test_a_store_waiting_for_a_delete_past_its_deadline_is_given_up_and_the_flus
     (key,) = keys_of(7, 1)
     store_in_l2_only(storage, [key], SIZE)
     deletes = ParkedDeletes(storage, monkeypatch)
-    controller = storage.l2_evictions[0]
     # Past its deadline before or after the store meets it: the key is given up either way.
-    controller.delete_deadline_s = 0.01
-    evicting = threading.Thread(target=controller.evict, args=(SIZE,), daemon=True)
-    evicting.start()
+    evicting = evict_in_background(storage, delete_deadline_s=0.01)
     try:
         assert deletes.arrived.wait(10), "the eviction never deleted the key"
         assert store(storage, [key], SIZE) == [key]
@@ -168,11 +172,7 @@ def test_a_store_waiting_for_a_delete_past_its_deadline_is_given_up_and_the_flus
         assert obj is not None and not obj.unstored, "the given-up key is L1's, settled"
         assert "l2_store_failed" not in failures
     finally:
-        deletes.gate.set()
-        evicting.join(30)
-        for thread in threading.enumerate():
-            if thread.name.endswith("-delete"):
-                thread.join(30)
+        let_go(deletes, evicting)
     assert storage.flush(10)
     assert storage.stats.failures().get("l2_store_given_up_delete_hung") == 1, "given up once"
 
