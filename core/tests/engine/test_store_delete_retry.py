@@ -177,6 +177,59 @@ def test_a_store_waiting_for_a_delete_past_its_deadline_is_given_up_and_the_flus
     assert storage.stats.failures().get("l2_store_given_up_delete_hung") == 1, "given up once"
 
 
+class FirstStoreParked:
+    """The backend's first store waits at a gate the test opens, then fails every key;
+    the stores after it go through."""
+
+    def __init__(self, storage: StorageManager, monkeypatch: pytest.MonkeyPatch) -> None:
+        backend = gated_backend(storage)
+        self.arrived = threading.Event()
+        self.gate = threading.Event()
+        put_many = backend.put_many
+
+        def parked(keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+            if self.arrived.is_set():
+                return put_many(keys, payloads)
+            self.arrived.set()
+            assert self.gate.wait(30)
+            return [False] * len(keys)
+
+        monkeypatch.setattr(backend, "put_many", parked)
+
+
+def test_the_keys_of_a_slice_behind_no_running_delete_are_stored_once_the_hung_ones_are_given_up(
+    engine, monkeypatch
+) -> None:
+    # One store task meets two deletes of its adapter: one of ``ended`` that ran while the
+    # task did (its store failed), and one of ``hung``, past its deadline, that refused
+    # ``hung``.  Both are stored again in one slice; once ``hung`` is given up, ``ended``
+    # waits for no delete, and no delete's end will wake the controller for it.
+    storage = engine([evicting_adapter()])
+    ended, hung = keys_of(9, 2)
+    store_in_l2_only(storage, [hung], SIZE)
+    storage.store.interval_s = 3600.0  # only wake-ups move it
+    deletes = ParkedDeletes(storage, monkeypatch)
+    evicting = evict_in_background(storage, delete_deadline_s=0.01)
+    stores = FirstStoreParked(storage, monkeypatch)
+    try:
+        assert wait_for(lambda: storage.stats.failures().get("l2_eviction_delete_timeout") == 1)
+        assert store(storage, [ended, hung], SIZE) == [ended, hung]
+        assert stores.arrived.wait(10), "the store of ``ended`` never reached the backend"
+        slot_deletes = storage.l2_evictions[0].slot.deletes
+        slot_deletes.begin([ended])  # a delete of ``ended`` ran while the store did
+        slot_deletes.end([ended])
+        stores.gate.set()
+        assert storage.flush(10), "a key behind no running delete waited for a wake-up"
+        assert ended in set(storage.adapters[0].iter_keys()), "the acknowledged write is in no L2"
+        failures = storage.stats.failures()
+        assert failures.get("l2_store_retried_after_delete") == 2, failures
+        assert failures.get("l2_store_given_up_delete_hung") == 1, failures
+        assert "l2_store_failed" not in failures
+    finally:
+        stores.gate.set()
+        let_go(deletes, evicting)
+
+
 def test_only_the_keys_of_an_overdue_delete_are_hung() -> None:
     deletes = L2Deletes()
     first, second, third = keys_of(8, 3)

@@ -266,16 +266,20 @@ class StoreController(ControllerThread):
         waiting: list[Slice] = []
         for piece in self._after_delete:
             deletes = piece.slot.deletes
-            if not deletes.running(piece.keys):
-                self._pacer.add(piece)
-                continue
-            hung = deletes.hung(piece.keys)
-            if hung:
+            if deletes.running(piece.keys):
+                hung = deletes.hung(piece.keys)
+                if not hung:
+                    waiting.append(piece)  # its end or its deadline wakes this thread (``deletes.on_end``)
+                    continue
                 piece = self._give_up_after_delete(piece, set(hung))
-            if piece.keys:
-                waiting.append(piece)  # its end or its deadline wakes this thread (``deletes.on_end``)
-            else:
-                self._part_ended(piece.batch)
+                if not piece.keys:
+                    self._part_ended(piece.batch)
+                    continue
+                if deletes.running(piece.keys):
+                    waiting.append(piece)
+                    continue
+                # The deletes of the rest have all ended: no end would wake this thread for it.
+            self._pacer.add(piece)
         self._after_delete = waiting
 
     def _give_up_after_delete(self, piece: Slice, hung: set[ObjectKey]) -> Slice:
