@@ -15,6 +15,7 @@ import pytest
 import s3fs
 from s3_helpers import blocking, open_adapter, s3_config
 
+from lmcache_tiers.l2 import L2Adapter
 from lmcache_tiers.plugin import CircuitConfig
 from lmcache_tiers.testing.l2 import make_keys
 from lmcache_tiers.testing.seaweedfs import SeaweedS3
@@ -47,22 +48,29 @@ def remove_bucket(fs: s3fs.S3FileSystem, name: str) -> None:
         fs.invalidate_cache()
 
 
+def open_on_bucket(
+    seaweed: SeaweedS3, name: str, label: str, l1: memoryview, monkeypatch: pytest.MonkeyPatch
+) -> L2Adapter:
+    """An adapter on bucket ``name`` whose circuit opens after two failed calls, and for
+    which no answer vouches for the bucket past the moment it came: a removal is seen at once."""
+    monkeypatch.setattr(lmcache_plugin_s3.client, "BUCKET_TRUSTED_S", 0.0)
+    config = s3_config(
+        seaweed,
+        label,
+        bucket=name,
+        circuit=CircuitConfig(failure_threshold=2, probe_interval_s=60.0),
+    )
+    return open_adapter(config, l1)
+
+
 def test_a_lookup_in_a_bucket_removed_mid_run_fails_counted_and_opens_the_circuit(
     seaweed: SeaweedS3,
     bucket: tuple[str, s3fs.S3FileSystem],
     l1: memoryview,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # No answer vouches for the bucket past the moment it came: the removal is seen at once.
-    monkeypatch.setattr(lmcache_plugin_s3.client, "BUCKET_TRUSTED_S", 0.0)
     name, fs = bucket
-    config = s3_config(
-        seaweed,
-        "gone",
-        bucket=name,
-        circuit=CircuitConfig(failure_threshold=2, probe_interval_s=60.0),
-    )
-    adapter = open_adapter(config, l1)
+    adapter = open_on_bucket(seaweed, name, "gone", l1, monkeypatch)
     try:
         client = blocking(adapter)
         keys = make_keys(3)
@@ -87,15 +95,8 @@ def test_a_delete_in_a_bucket_removed_mid_run_fails_counted(
     # A delete's HEAD answers a missing bucket with the bare 404 of a missing object too:
     # read as "nothing to remove", the delete answered "not deleted" as for absent keys,
     # and the missing bucket was counted only by whatever lookup came next.
-    monkeypatch.setattr(lmcache_plugin_s3.client, "BUCKET_TRUSTED_S", 0.0)
     name, fs = bucket
-    config = s3_config(
-        seaweed,
-        "gone-delete",
-        bucket=name,
-        circuit=CircuitConfig(failure_threshold=2, probe_interval_s=60.0),
-    )
-    adapter = open_adapter(config, l1)
+    adapter = open_on_bucket(seaweed, name, "gone-delete", l1, monkeypatch)
     try:
         keys = make_keys(3)
         remove_bucket(fs, name)
