@@ -496,6 +496,16 @@ def test_loads_read_in_pieces_verify_every_piece(monkeypatch: pytest.MonkeyPatch
             adapter.close()
 
 
+def stored_and_loaded_back(
+    adapter: L2Adapter, arena: Arena, keys: list[ObjectKey], data: list[bytes]
+) -> None:
+    """Store ``data`` under ``keys``, then look them up and load them back, intact."""
+    assert store(adapter, arena, keys, data) == [True] * len(keys)
+    result = client(adapter).lookup_and_lock(keys)
+    assert load(adapter, arena, keys, result.sizes) == ([True] * len(keys), data)
+    adapter.unlock(keys)
+
+
 def test_every_thread_of_the_adapter_is_named_for_it(
     new_threads: Callable[[str], list[threading.Thread]],
 ) -> None:
@@ -507,10 +517,7 @@ def test_every_thread_of_the_adapter_is_named_for_it(
     with scratch_dir() as root:
         adapter = open_dynamic(dynamic_config(root), arena.view)
         try:
-            assert store(adapter, arena, keys, data) == [True, True]
-            result = client(adapter).lookup_and_lock(keys)
-            assert load(adapter, arena, keys, result.sizes) == ([True, True], data)
-            adapter.unlock(keys)
+            stored_and_loaded_back(adapter, arena, keys, data)
             names = sorted(thread.name for thread in new_threads(""))
             assert any("checksum" in name for name in names), names
             assert [
@@ -567,10 +574,7 @@ def test_store_headers_are_encoded_outside_the_idle_class(monkeypatch: pytest.Mo
     with scratch_dir() as root:
         adapter = open_dynamic(dynamic_config(root), arena.view)
         try:
-            assert store(adapter, arena, keys, data) == [True, True]
-            result = client(adapter).lookup_and_lock(keys)
-            assert load(adapter, arena, keys, result.sizes) == ([True, True], data)
-            adapter.unlock(keys)
+            stored_and_loaded_back(adapter, arena, keys, data)
         finally:
             adapter.close()
     assert policies == [os.SCHED_OTHER] * 2, policies
