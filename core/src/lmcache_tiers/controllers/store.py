@@ -285,10 +285,10 @@ class StoreController(ControllerThread):
     def _give_up_after_delete(self, piece: Slice, hung: set[ObjectKey]) -> Slice:
         """Give up storing the keys of ``piece`` in ``hung``, which wait for an L2 delete past
         its deadline (the backend may never answer): counted and logged as failed stores, their
-        objects stay in L1 only.  Waiting on, they would hold a flush, and a stop's, until its
-        deadline; and they cannot be stored while that delete runs -- the adapter refuses
-        them, and one that landed before the delete would be removed by it.  Returns the
-        rest of the slice."""
+        objects left in L1 (and in the adapters that stored them, if any).  Waiting on, they
+        would hold a flush, and a stop's, until its deadline; and they cannot be stored while
+        that delete runs -- the adapter refuses them, and one that landed before the delete
+        would be removed by it.  Returns the rest of the slice."""
         slot, batch = piece.slot, piece.batch
         given_up = [key for key in piece.keys if key in hung]
         kept = [key for key in piece.keys if key not in hung]
@@ -297,7 +297,7 @@ class StoreController(ControllerThread):
         self._burst.warn(
             f"l2_store_given_up_delete_hung:{slot.index}",
             "%d keys were not stored in %s: they wait for an L2 eviction's delete there that is "
-            "past its deadline; they stay in L1 only",
+            "past its deadline; they are left in L1 and in the adapters that stored them",
             len(given_up),
             slot.name,
             count=len(given_up),
