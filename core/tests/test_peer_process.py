@@ -151,6 +151,18 @@ def test_a_descriptor_naming_no_connection_names_no_process() -> None:
         os.close(write_end)
 
 
+def test_a_descriptor_of_another_file_leaves_no_descriptor_open() -> None:
+    read_end, write_end = os.pipe()
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(3):
+            assert peer_socket(read_end) is None
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
 def test_a_peer_of_the_same_process_is_this_process() -> None:
     left, right = socket.socketpair()
     with left, right:

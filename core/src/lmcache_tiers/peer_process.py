@@ -70,8 +70,15 @@ def peer_socket(fd: int) -> PeerSocket | None:
     if fd < 0:
         return None
     try:
-        sock = socket.socket(fileno=os.dup(fd))
+        copy = os.dup(fd)
     except OSError:
+        return None
+    try:
+        sock = socket.socket(fileno=copy)
+    except OSError:
+        # Not a socket (the number went to another file once libzmq closed it): the
+        # constructor leaves the copy open, and each such request would keep one.
+        os.close(copy)
         return None
     with sock:
         try:
