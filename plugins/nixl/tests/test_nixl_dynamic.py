@@ -681,18 +681,26 @@ class _PolicyAgent(_CountingAgent):
         return state
 
 
-@pytest.mark.parametrize("direct_io", [False, True], ids=["plain", "direct"])
-def test_direct_write_back_posts_its_payloads_outside_the_idle_class(direct_io: bool) -> None:
+@pytest.mark.parametrize(
+    ("direct_io", "unaligned", "expected"),
+    [(False, 0, os.SCHED_IDLE), (True, 0, os.SCHED_OTHER), (True, 100, os.SCHED_IDLE)],
+    ids=["plain", "direct", "direct-unaligned"],
+)
+def test_direct_write_back_posts_its_payloads_outside_the_idle_class(
+    direct_io: bool, unaligned: int, expected: int
+) -> None:
     """With O_DIRECT no copy runs on the store thread: it runs Python that posts and polls
     NIXL requests, holding the GIL, so it stays out of ``SCHED_IDLE`` (preempted there by
     any waking thread, with the GIL held, it made the request threads wait).  Buffered, the
-    copy into the page cache runs in NIXL's posting call, idle-class."""
+    copy into the page cache runs in NIXL's posting call, idle-class -- and so it does with
+    ``use_direct_io`` for a payload O_DIRECT cannot take (a length not a multiple of 4096,
+    as a compressing serde's output), which was posted at nice 10."""
     if not WRITE_BACK.uses_idle or WRITE_BACK.hurried:
         pytest.skip("the write-back threads do not run idle-class here")
     from lmcache_plugin_nixl.runtime import NixlRuntime
 
     runtime = NixlRuntime.shared()
-    size = 4 * WRITE_BACK_PIECE_BYTES
+    size = 4 * WRITE_BACK_PIECE_BYTES + unaligned
     arena = Arena(2 * size)
     with scratch_dir() as root:
         adapter = open_dynamic(dynamic_config(root, direct_io=direct_io, capacity_gb=1.0), arena.view)
@@ -704,7 +712,6 @@ def test_direct_write_back_posts_its_payloads_outside_the_idle_class(direct_io: 
             runtime.agent = posting.agent  # type: ignore[assignment]
             adapter.close()
     payloads, headers = posting.policies[:-1], posting.policies[-1]
-    expected = os.SCHED_OTHER if direct_io else os.SCHED_IDLE
     assert payloads and set(payloads) == {expected}, payloads
     assert headers == os.SCHED_OTHER  # a small write: never idle-class
 

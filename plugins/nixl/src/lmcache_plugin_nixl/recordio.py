@@ -279,9 +279,13 @@ class RecordFiles:
         )
 
     def _open_flags(self, base: int, buffer: memoryview, offset: int) -> int:
-        if self._direct_io and direct_io_ok(buffer_address(buffer), buffer.nbytes, offset):
-            return base | os.O_DIRECT
-        return base
+        return base | os.O_DIRECT if self._moved_by_device(buffer, offset) else base
+
+    def _moved_by_device(self, buffer: memoryview, offset: int) -> bool:
+        """Whether ``buffer`` goes to or from its file at ``offset`` with O_DIRECT: with
+        ``use_direct_io``, when O_DIRECT's alignment rules allow (a payload of a
+        size-changing serde seldom does); otherwise through the page cache, a copy."""
+        return self._direct_io and direct_io_ok(buffer_address(buffer), buffer.nbytes, offset)
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -349,7 +353,7 @@ class RecordFiles:
             # the helper thread while NIXL moves the payloads, and headers go last.
             headers = self._store_helper.submit(self._encode_all, keys, payloads, pending)
             try:
-                with self._payload_priority():
+                with self._payload_priority(payloads, pending):
                     moved = self._transfer.run(
                         "WRITE",
                         [payloads[item.index] for item in pending],
@@ -386,7 +390,9 @@ class RecordFiles:
                     self._files.remove_quietly(item.path)
         return results
 
-    def _payload_priority(self) -> AbstractContextManager[None]:
+    def _payload_priority(
+        self, payloads: Sequence[memoryview], pending: list[_Pending]
+    ) -> AbstractContextManager[None]:
         """The priority the payloads are posted at.  Buffered, NIXL copies them into the
         page cache in its posting call, without the GIL: idle-class (l2/background.py).
         With O_DIRECT the device moves them: what this thread runs is the Python that sets
@@ -394,8 +400,12 @@ class RecordFiles:
         thread holding the GIL is preempted by any thread that wakes on its core, the
         request threads then waiting for the GIL until that core is free again (the tail of
         lookups under write-back).  So it runs at nice 10 there, like the rest of its
-        Python."""
-        return nullcontext() if self._direct_io else WRITE_BACK.copying()
+        Python -- only when every payload of the batch goes with O_DIRECT: one that O_DIRECT
+        cannot take (unaligned, as a compressing serde's output) is copied, even with
+        ``use_direct_io``."""
+        if all(self._moved_by_device(payloads[item.index], item.offset) for item in pending):
+            return nullcontext()
+        return WRITE_BACK.copying()
 
     def _nixl_write_failed(self, key: ObjectKey, part: str) -> None:
         """A record the storage failed through NIXL is counted and named like one whose
