@@ -38,7 +38,7 @@ visible here, a failed lookup) keeps the fences of its stores until their commit
 unregister, as before.  So does one whose scan failed (``mp_peer_scan_failed``: the scan
 raised) or was given up (``mp_peer_scan_given_up``: more than :data:`MAX_PENDING_SCANS`
 connections waiting for one, or the server stopping); the sweep takes both from
-:meth:`ConnectionProcesses.take_failures` to count and log them.  A given-up connection is
+:meth:`ConnectionProcesses.count_failures` to count and log them.  A given-up connection is
 looked up again at its next store.  Connections of one live process share its watch (one
 pidfd).
 

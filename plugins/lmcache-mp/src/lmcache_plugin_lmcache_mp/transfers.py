@@ -86,7 +86,6 @@ class Transfers:
         self._fence_refusals = BurstLog(logger, "mp_store_refused_fenced")
         #: the process of each connection, whose exit lifts the fences of its stores
         self.peers = ConnectionProcesses()
-        self._peer_scan_failures = BurstLog(logger)
         #: the descriptor the request being handled came in on (``zmq.SRCFD``; -1: not
         #: known), set by the loop around a prepare_store (loop thread only)
         self.source_fd = -1
@@ -722,19 +721,9 @@ class Transfers:
         self._count_peer_scan_failures()
 
     def _count_peer_scan_failures(self) -> None:
-        """Count the connections whose process lookup failed or was given up (``peers.py``):
-        their stores' fences wait for a commit or an unregister, as an unknown process's."""
-        for reason, count in self.peers.take_failures().items():
-            self.shared.stats.failure(reason, count)
-            self._peer_scan_failures.warn(
-                reason,
-                "%d client connections' process lookups %s; their stores' fences are lifted only "
-                "by their commit or unregister [%s]",
-                count,
-                "failed" if reason == "mp_peer_scan_failed" else "were given up",
-                reason,
-                count=count,
-            )
+        """Count and log the connections whose process lookup failed or was given up
+        (``peers.py``)."""
+        self.peers.count_failures(self.shared.stats.failure, _scan_failure_meaning)
 
     def _release_fences_of_exited_writers(self) -> None:
         """Give back the fenced extents of stores whose client process has exited
@@ -810,6 +799,12 @@ class Transfers:
                 "pickled prepare_retrieve calls given up at the stop (queued, or still copying at "
                 "the drain deadline): not answered, or answered a miss; their read locks given back",
             )
+
+
+def _scan_failure_meaning(reason: str) -> str:
+    """What a failed or given-up lookup does to its connection's stores: either way the
+    writer is not known, and only what the client itself says lifts their fences."""
+    return "their stores' fences are lifted only by their commit or unregister"
 
 
 def _objects_of(transfer: Transfer | None) -> list[Any]:
