@@ -10,13 +10,14 @@ provably running when the store arrives; nothing is timed.
 from __future__ import annotations
 
 import threading
+import types
 from collections.abc import Sequence
 
 import pytest
 from engine_support import GatedConfig, gated_backend, keys_of, store, store_in_l2_only, wait_for
 
 from lmcache_tiers.config import AdapterSpec, L2EvictionConfig
-from lmcache_tiers.controllers import l2_deletes
+from lmcache_tiers.controllers import l2_deletes, l2_eviction
 from lmcache_tiers.controllers.l2_deletes import L2Deletes
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.storage import StorageManager
@@ -175,6 +176,40 @@ def test_a_store_waiting_for_a_delete_past_its_deadline_is_given_up_and_the_flus
         let_go(deletes, evicting)
     assert storage.flush(10)
     assert storage.stats.failures().get("l2_store_given_up_delete_hung") == 1, "given up once"
+
+
+def test_a_delete_whose_thread_starts_after_its_deadline_is_still_past_it(engine, monkeypatch) -> None:
+    # On a loaded machine the delete's own thread may not run before the eviction's wait
+    # ends: its keys must be running by then, or the deadline marks nothing and the store
+    # waiting for that delete waits until the drain deadline after all.
+    storage = engine([evicting_adapter()])
+    (key,) = keys_of(10, 1)
+    store_in_l2_only(storage, [key], SIZE)
+    deletes = ParkedDeletes(storage, monkeypatch)
+    runs = threading.Event()
+
+    class LateDeleteThread(threading.Thread):
+        def run(self) -> None:
+            if self.name.endswith("-delete"):
+                assert runs.wait(30)
+            super().run()
+
+    monkeypatch.setattr(
+        l2_eviction, "threading", types.SimpleNamespace(**{**vars(threading), "Thread": LateDeleteThread})
+    )
+    evicting = evict_in_background(storage, delete_deadline_s=0.01)
+    try:
+        evicting.join(30)  # its wait ended, the delete's thread not run yet
+        assert not evicting.is_alive()
+        assert storage.stats.failures().get("l2_eviction_delete_timeout") == 1
+        runs.set()
+        assert deletes.arrived.wait(10), "the eviction never deleted the key"
+        assert store(storage, [key], SIZE) == [key]
+        assert storage.flush(10), "a store waited for a delete that was past its deadline"
+        assert storage.stats.failures().get("l2_store_given_up_delete_hung") == 1
+    finally:
+        runs.set()
+        let_go(deletes, evicting)
 
 
 class FirstStoreParked:

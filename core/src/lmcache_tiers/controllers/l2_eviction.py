@@ -614,7 +614,6 @@ class L2EvictionController(ControllerThread):
         deletes = self.slot.deletes
 
         def run() -> None:
-            deletes.begin(batch)  # a store of one of them meanwhile fails: stored again after
             try:
                 result: list[bool] | BaseException = self.slot.adapter.delete(batch)
             except BaseException as exc:  # handed to the waiting cycle
@@ -627,7 +626,15 @@ class L2EvictionController(ControllerThread):
             self.wake()  # a cycle skipped while this delete hung may evict now
 
         thread = threading.Thread(target=run, name=f"{self.name}-delete", daemon=True)
-        thread.start()
+        # Begun before its thread starts, which a loaded machine may not run before the
+        # deadline: past it, ``overdue`` marks only the keys of a delete begun.  A store of
+        # one of them meanwhile fails: stored again after.
+        deletes.begin(batch)
+        try:
+            thread.start()
+        except BaseException:
+            deletes.end(batch)  # no delete runs: the stores waiting for it go on
+            raise
         with self._delete_done:
             self._delete_done.wait_for(lambda: bool(outcome) or self.stopping, self.delete_deadline_s)
             if not outcome:
