@@ -247,6 +247,7 @@ def test_the_keys_of_a_slice_behind_no_running_delete_are_stored_once_the_hung_o
     evicting = evict_in_background(storage, delete_deadline_s=0.01)
     stores = FirstStoreParked(storage, monkeypatch)
     try:
+        assert deletes.arrived.wait(10), "the eviction never deleted ``hung``"
         assert wait_for(lambda: storage.stats.failures().get("l2_eviction_delete_timeout") == 1)
         assert store(storage, [ended, hung], SIZE) == [ended, hung]
         assert stores.arrived.wait(10), "the store of ``ended`` never reached the backend"
