@@ -216,6 +216,26 @@ def test_a_live_reservation_of_an_earlier_identity_is_committed_by_the_client_ba
         assert not any(session.writes for session in server.frontends[0].handlers.sessions)
 
 
+def pidfds_open() -> int:
+    found = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile by another thread
+            found += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
+    return found
+
+
+def test_telling_a_client_back_from_its_earlier_identity_leaves_no_pidfd_open(server: TiersServer) -> None:
+    """Here the kernel cannot name the client (it runs in the server's own process), so
+    its HELLO pid is watched to tie it to its earlier identity; that watch, of a client
+    that holds nothing, used to stay open for good, one more at every such commit."""
+    before = pidfds_open()
+    for key in keys_of(3):
+        with Client(server.endpoint) as before_the_drop, Client(server.endpoint) as after_the_drop:
+            before_the_drop._call(p.StoreReserve(0, "", [key], [CHUNK]), p.StoreReserveReply)
+            assert after_the_drop._call(p.StoreCommit(0, "", [key]), p.StoreReply).done == [True]
+    assert pidfds_open() <= before
+
+
 def test_a_client_storing_the_key_itself_leaves_the_fence_of_another_in_place(make_server: Any) -> None:
     server = make_server(**SHORT_TTL)
     (key,) = keys_of(1)

@@ -153,12 +153,22 @@ class WriterProcesses:
         if not writers or not self._settled(current):
             return False
         process = current.process if current is not None else None
+        told = None
         if process is None:
-            if self._pids.get(identity, 0) <= 0 or self._pids.get(identity) != self._pids.get(earlier):
+            pid = self._pids.get(identity, 0)
+            if pid <= 0 or pid != self._pids.get(earlier):
                 return False  # not watched only to be told apart
-            process = self._hello_watch(identity)
-        if process is None or process.exited():
-            return False
+            # Watched only for this answer, not kept as ``identity``'s: a client asking
+            # may hold nothing, so no forget() would ever close it.
+            process = told = self._mapping_the_arena(_watch_pid(pid))
+        try:
+            return process is not None and not process.exited() and self._all_of(earlier, writers, process)
+        finally:
+            if told is not None:
+                told.close()
+
+    def _all_of(self, earlier: bytes, writers: Sequence[PeerWatch | None], process: PeerProcess) -> bool:
+        """Whether each of ``earlier``'s ``writers`` is the live ``process``."""
         for writer in writers:
             if not self._settled(writer):
                 return False
