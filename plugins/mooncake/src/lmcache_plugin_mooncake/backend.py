@@ -19,11 +19,13 @@ serde chain, XXH3-128 checksum of the payload) followed by the payload.
   chain, and whether the record is of this key at all (see ``_header``).  A
   load that finds an object of another size (replaced by another writer) is a miss, and
   that key's next lookup asks the master for its size again.
-* Load: one scatter read per key -- header into a registered lane, payload straight into
-  the L1 buffer (registered with the client), exactly the sizes the lookup reported --
-  for the whole batch (up to ``KEYS_PER_LANE`` keys) in one call, then the headers and
-  payload checksums are verified; anything that does not verify is a miss, and damage is
-  removed.
+* Load: per key, the header into a registered lane and the payload straight into the L1
+  buffer, exactly the sizes the lookup reported -- for the whole batch (up to
+  ``KEYS_PER_LANE`` keys) in one call, then the headers and payload checksums are
+  verified; anything that does not verify is a miss, and damage is removed.  Into the
+  registered L1 arena the call is two ranged reads per key (faster, and without the
+  stalls of a whole-object read, see ``_get_ranges``); into other memory, one scatter
+  read per key.
 * CPU work on payloads (checksums of a store's headers, a load's verification) of
   batches large enough is split between threads, one per core (xxhash releases the
   GIL); stores and loads have helper threads of their own, each at its callers'
@@ -209,6 +211,20 @@ _GIVEN_UP = 1
 _HEADER_TOO_LONG = 2
 
 
+def _record_code(header: int, payload: int, payload_bytes: int) -> int:
+    """A record's code from the codes of its two ranged reads, as a whole read answers:
+    the bytes read when both are whole, else the first failure (``NOT_FOUND`` when
+    either found no object; a short read as a failed transfer)."""
+    if header == HEADER_BYTES and payload == payload_bytes:
+        return HEADER_BYTES + payload_bytes
+    if NOT_FOUND in (header, payload):
+        return NOT_FOUND
+    for code in (header, payload):
+        if code < 0:
+            return code
+    return _TRANSFER_FAILED
+
+
 @dataclass
 class _StoreBatch:
     """The records of one ``put_many``, by key: object name, header, record size, payload."""
@@ -248,6 +264,9 @@ class MooncakeStoreBackend:
         self.names = ObjectNames(config.key_prefix)
         # Loads and lookups of every worker at once, and spares for calls given up.
         self.lanes = HeaderLanes(2 * config.num_workers + 4)
+        l1 = context.l1_buffer
+        #: where the L1 arena lies (loads into it are ranged reads, see ``_get_ranges``)
+        self._l1_span = (address_of(l1), address_of(l1) + l1.nbytes) if l1 is not None and l1.nbytes else None
         self.connection = Connection(
             config,
             context.name,
@@ -925,6 +944,8 @@ class MooncakeStoreBackend:
         """One scatter read of the chunk's records: headers into the lane, payloads into
         their buffers; the names and Mooncake's code per key."""
         names = [self.names.of(key) for key in keys]
+        if self._in_registered_l1(buffers):
+            return names, self._get_ranges(store, lane, names, buffers)
         pointers = [
             [lane.address(slot), address_of(buffer)] if buffer.nbytes else [lane.address(slot)]
             for slot, buffer in enumerate(buffers)
@@ -933,6 +954,53 @@ class MooncakeStoreBackend:
         codes = store.batch_get_into_multi_buffers(names, pointers, sizes)
         _check("get", codes)
         return names, codes
+
+    def _in_registered_l1(self, buffers: list[memoryview]) -> bool:
+        """Whether every buffer lies in the L1 arena and the client has it registered
+        (a ranged read refuses memory Mooncake did not register)."""
+        if self._l1_span is None or not self.connection.l1_registered:
+            return False
+        start, end = self._l1_span
+        for buffer in buffers:
+            if buffer.nbytes and not start <= address_of(buffer) <= end - buffer.nbytes:
+                return False
+        return True
+
+    def _get_ranges(self, store: Any, lane: Lane, names: list[str], buffers: list[memoryview]) -> list[int]:
+        """The chunk's records read as two ranged reads per key in one call -- the header
+        into its lane slot, the payload into its buffer, each buffer an offset from the
+        lowest -- with ``_get_chunk``'s code per key.  Measured on TCP: 256 x 1 MiB in
+        about 0.7x the time of ``batch_get_into_multi_buffers`` of the same records, and
+        below a plain ``batch_get_into`` of the payloads alone; one record at a time, a
+        p50 about 0.04 ms higher but a p90 of 0.7 ms where the whole-object read's
+        stalled (2.5-3.2 ms).
+
+        A ranged read does not fail on an object larger than the ranges (another
+        writer's record of another size): its header then disagrees with the payload
+        size, and the object is read again before it is judged (``_remove_damaged``)."""
+        count = len(names)
+        payloads = [slot for slot in range(count) if buffers[slot].nbytes]
+        addresses = {slot: address_of(buffers[slot]) for slot in payloads}
+        base = min(addresses.values(), default=0)
+        header_at = [[slot * HEADER_BYTES] for slot in range(count)]
+        # the lane's buffer, then (when some payload is not empty) the payloads'
+        into, keys, at = [lane.address(0)], [names], [header_at]
+        offsets, sizes = [[_HEADER_OFFSET] * count], [[[HEADER_BYTES]] * count]
+        if payloads:
+            into.append(base)
+            keys.append([names[slot] for slot in payloads])
+            at.append([[addresses[slot] - base] for slot in payloads])
+            offsets.append([[HEADER_BYTES]] * len(payloads))
+            sizes.append([[buffers[slot].nbytes] for slot in payloads])
+        answer = store.get_into_ranges(into, keys, at, offsets, sizes)
+        read = [ranges[0] for ranges in answer[0]]
+        for slot, ranges in zip(payloads, answer[1] if payloads else [], strict=True):
+            read[slot] = _record_code(read[slot], ranges[0], buffers[slot].nbytes)
+        for slot in range(count):
+            if not buffers[slot].nbytes:
+                read[slot] = _record_code(read[slot], 0, 0)
+        _check("get", read)
+        return read
 
     def _check_chunk(
         self,
@@ -1033,6 +1101,9 @@ class MooncakeStoreBackend:
         removed as judged."""
         changed = self._replaced_since(store, name, size, header, payload)
         if changed is not None and changed is not _GONE:
+            # Of another size, perhaps: a ranged read (see ``_get_ranges``) does not fail
+            # on a larger object, so core's size must not answer the next lookup.
+            self._size_changed(name)
             self.context.count("corrupt_reads_replaced")
             self._throttle.warn(
                 "damaged_replaced", "%s: the record of %s read did not verify (%s), but the object "
