@@ -123,3 +123,16 @@ def test_a_reservation_reaped_before_it_is_fenced_is_reported_gone(l1: L1Manager
     obj = reserved[key(1)]
     l1.expire_locks(obj.lock_deadline)
     assert l1.fence_writers([obj]) == [obj]
+
+
+def test_a_writer_done_with_an_unfenced_expired_reservation_leaves_its_grace_period(l1: L1Manager) -> None:
+    # Reaped before its front end fenced it, its writer's commit or abort still names it:
+    # only a fenced extent goes back then, this one is held for its grace period like any.
+    obj = l1.reserve_write([key(1)], [ALIGN])[key(1)]
+    assert l1.expire_locks(obj.lock_deadline) == 1
+    assert l1.fence_writers([obj]) == [obj]
+    assert l1.writers_done([obj]) == 0
+    assert len(store_until_full(l1, 10)) == UNITS - 1, "its extent was reused in its grace period"
+    l1.expire_locks(past_ttl_and_grace(obj))
+    stats = l1.lease_stats()
+    assert (stats.quarantined_extents, stats.reclaimed_lease_end, stats.reclaimed_writer_done) == (0, 1, 0)
