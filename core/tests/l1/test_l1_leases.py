@@ -390,3 +390,32 @@ def test_a_copy_whose_extent_changed_hands_meanwhile_is_refused(
             l1.lend(obj).detach()
         else:
             l1.read_object(obj, memoryview(bytearray(obj.size)))
+
+
+def test_an_earlier_holds_lease_end_does_not_cut_short_the_grace_period_of_the_extents_next_object() -> None:
+    # One extent: a forced delete holds it for a reader, whose release gives it back before
+    # that hold's lease end; the next object there is a write reservation past its TTL, held
+    # for a grace period that ends later.  The earlier hold's end comes up first and must
+    # not give back the later one's extent.
+    grace = 60.0
+    with L1Manager(
+        ALIGN, align=ALIGN, lock_ttl_s=LOCK_TTL, write_ttl_s=1.0, prefault=False, lease_grace_s=grace
+    ) as l1:
+        (first,) = store(l1, [1])
+        l1.reserve_read(keys(1))
+        assert l1.clear(force=True) == 1
+        l1.finish_read(keys(1))
+        assert l1.lease_stats().reclaimed_released == 1 and l1.used_bytes == 0
+        (second,) = l1.reserve_write(keys(2), [ALIGN]).values()
+        assert second.offset == first.offset
+        expired_at = second.lock_deadline
+        assert l1.expire_locks(expired_at) == 1
+        # Past the forced hold's lease end (at most ``grace`` after the clear, which was
+        # before ``second`` was reserved), before ``second``'s grace period ends.
+        l1.expire_locks(expired_at + grace - 0.5)
+        stats = l1.lease_stats()
+        assert (stats.quarantined_extents, stats.reclaimed_lease_end) == (1, 0), "held for its grace period"
+        assert l1.used_bytes == ALIGN
+        l1.expire_locks(expired_at + grace + 0.5)
+        stats = l1.lease_stats()
+        assert (stats.quarantined_extents, stats.reclaimed_lease_end, l1.used_bytes) == (0, 1, 0)
