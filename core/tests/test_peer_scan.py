@@ -21,6 +21,7 @@ import pytest
 
 from lmcache_tiers.peer_process import PeerProcess, PeerSocket, watch_peer_socket
 from lmcache_tiers.peer_scan import ConnectionPeers
+from lmcache_tiers.testing.peer_scans import GATE_S, GatedScanner
 
 #: connects to the Unix socket argv[1], says so, then waits to be killed
 CLIENT = """
@@ -30,27 +31,6 @@ sock.connect(sys.argv[1])
 print("connected", flush=True)
 time.sleep(3600)
 """
-#: how long a gated scan waits at most: a test that fails must not leave it for ever
-GATE_S = 60.0
-
-
-class GatedScanner:
-    """The real scan; the first ``gated`` lookups wait for :attr:`gate` before handing
-    their result back (found while the client lived)."""
-
-    def __init__(self, gated: int = 1) -> None:
-        self.gated = gated
-        self.gate = threading.Event()
-        self.scanned = threading.Event()
-        self.calls: list[tuple[PeerSocket, str]] = []
-
-    def __call__(self, peer: PeerSocket) -> PeerProcess | None:
-        self.calls.append((peer, threading.current_thread().name))
-        watch = watch_peer_socket(peer)
-        if len(self.calls) <= self.gated:
-            self.scanned.set()
-            self.gate.wait(GATE_S)
-        return watch
 
 
 @pytest.fixture
@@ -117,7 +97,7 @@ def test_a_pending_lookup_keeps_its_process_alive_until_armed(clients: Any, peer
     assert watch.armed.wait(GATE_S)
     assert watch.process is not None and watch.process.pids == (process.pid,)
     assert watch.exited()
-    assert [name for _, name in scanner.calls] == ["peer-scan"]
+    assert scanner.threads == ["peer-scan"]
 
 
 def test_scan_now_settles_a_queued_watch_and_the_worker_leaves_it(clients: Any, peers: Any) -> None:
@@ -135,7 +115,7 @@ def test_scan_now_settles_a_queued_watch_and_the_worker_leaves_it(clients: Any, 
     scanner.gate.set()
     assert held.armed.wait(GATE_S)
     connections.close()  # the worker has run what was queued
-    assert [name for _, name in scanner.calls] == ["peer-scan", threading.current_thread().name]
+    assert scanner.threads == ["peer-scan", threading.current_thread().name]
     assert connections.take_failures() == Counter()
 
 

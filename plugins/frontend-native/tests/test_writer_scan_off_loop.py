@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import threading
 import time
 from typing import Any
 
@@ -36,31 +35,9 @@ from test_writer_kernel_pid import (
 )
 
 from lmcache_tiers.client import Client
-from lmcache_tiers.plugin import PeerProcess, PeerScanner, PeerSocket
+from lmcache_tiers.plugin import PeerProcess, PeerSocket
 from lmcache_tiers.server.app import TiersServer
-
-#: how long a gated scan waits at most: a test that fails must not leave it for ever
-GATE_S = 60.0
-
-
-class GatedScanner:
-    """The server's scan; the first ``gated`` lookups then wait for :attr:`gate` before their
-    result is handed back (found while the client lived, armed when the test says)."""
-
-    def __init__(self, scan: PeerScanner, gated: int = 1) -> None:
-        self.scan = scan
-        self.gated = gated
-        self.gate = threading.Event()
-        self.scanned = threading.Event()
-        self.threads: list[str] = []
-
-    def __call__(self, peer: PeerSocket) -> PeerProcess | None:
-        self.threads.append(threading.current_thread().name)
-        watch = self.scan(peer)
-        if len(self.threads) <= self.gated:
-            self.scanned.set()
-            self.gate.wait(GATE_S)
-        return watch
+from lmcache_tiers.testing.peer_scans import GATE_S, GatedScanner
 
 
 def writers_of(server: TiersServer) -> Any:
