@@ -119,6 +119,28 @@ def test_scan_now_settles_a_queued_watch_and_the_worker_leaves_it(clients: Any, 
     assert connections.take_failures() == Counter()
 
 
+def test_a_lookup_settled_at_once_is_not_given_up_at_the_stop(peers: Any) -> None:
+    """Still queued when the stop comes, but already armed by scan_now: nothing was given
+    up, so nothing is counted so."""
+    scanner = GatedScanner()
+    connections = peers(scanner)
+    pairs = [socket.socketpair() for _ in range(2)]
+    try:
+        held = connections.watch(pairs[0][0].fileno())
+        assert held is not None and scanner.scanned.wait(GATE_S)  # the worker is held
+        queued = connections.watch(pairs[1][0].fileno())
+        assert queued is not None
+        connections.scan_now(queued)
+        assert queued.armed.is_set()
+        connections.close()  # the queued one is dropped from the queue, the held one left
+        assert connections.take_failures() == Counter()
+    finally:
+        scanner.gate.set()
+        for pair in pairs:
+            for end in pair:
+                end.close()
+
+
 def test_a_failed_lookup_is_counted_once_and_armed_unknown(clients: Any, peers: Any) -> None:
     calls: list[PeerSocket] = []
 

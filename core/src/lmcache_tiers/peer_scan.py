@@ -162,9 +162,11 @@ class ConnectionPeers:
 
     def _run(self) -> None:
         while (watch := self._queue.get()) is not None:
+            if watch.armed.is_set():
+                continue  # settled meanwhile on the caller's thread (scan_now): nothing to do
             if self._stopping:
                 self._failures.append(self.given_up)
-            elif not watch.armed.is_set():
+            else:
                 self._settle(watch)
 
     def _settle(self, watch: PeerWatch) -> None:
@@ -220,7 +222,7 @@ class ConnectionPeers:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if job is not None:
+            if job is not None and not job.armed.is_set():  # one scan_now settled is not given up
                 self._failures.append(self.given_up)
         if self._worker is not None:
             self._queue.put_nowait(None)
