@@ -28,7 +28,7 @@ alike).  Each method's objects are deleted once it has loaded them, so every met
 into a server holding none of the others', into memory the one before it freed: left
 stored, the later methods' values took new pages the server had to fault in (~65,000 a
 round of 256 MiB) where redis-py's, the first of a round, reused some the last round freed
-(~45,000 faults), a head start that was the bench's order, not the client's.  Throughput
+(~50,000 faults), a head start that was the bench's order, not the client's.  Throughput
 is the median of ``--repeat`` rounds, latency percentiles are over every object of every
 round, each printed next to redis-py's and with the ratio of redis-py's latency to the
 adapter's (>= 0.8 is the target; throughput ratios are medians of per-round ratios, which
