@@ -8,10 +8,13 @@ Clients are real processes connected over a Unix socket.
 
 from __future__ import annotations
 
+import gc
+import os
 import socket
 import subprocess
 import sys
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,6 +140,29 @@ def test_a_lookup_settled_at_once_is_not_given_up_at_the_stop(peers: Any) -> Non
     finally:
         scanner.gate.set()
         for pair in pairs:
+            for end in pair:
+                end.close()
+
+
+def test_a_closed_connection_is_forgotten_once_its_number_is_another_connections(peers: Any) -> None:
+    """Its watch (and the pidfd in it) is not kept for the thousands of connections seen
+    since: a descriptor number names one connection at a time."""
+    connections = peers(watch_peer_socket)
+    first, second = socket.socketpair(), socket.socketpair()
+    try:
+        number = first[0].fileno()
+        closed = connections.watch(number)
+        assert closed is not None and closed.armed.wait(GATE_S)
+        gone = weakref.ref(closed)
+        os.dup2(second[0].fileno(), number)  # the number now names another connection
+        now = connections.watch(number)
+        assert now is not None and now is not closed
+        del closed
+        gc.collect()
+        assert gone() is None
+        assert connections.watch(number) is now  # the new connection is remembered
+    finally:
+        for pair in (first, second):
             for end in pair:
                 end.close()
 

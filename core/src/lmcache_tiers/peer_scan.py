@@ -15,7 +15,7 @@ thread ran it.  :class:`ConnectionPeers` is what both front ends use for it:
   is gone) and its watch is armed with none, as for any process that cannot be told;
 * a connection is looked up once, pending or done, told apart by its descriptor and the
   inode of the server's socket (unique while the socket is open; a descriptor number is
-  reused once it closes);
+  reused once it closes, and the closed connection is forgotten then);
 * a scan that raised is counted (the front end's ``failed`` reason) and armed with none; a
   connection past ``max_pending`` waiting for its scan, or one still waiting at the stop,
   is given up (its ``given_up`` reason): pending for ever, so its fences stay, and looked
@@ -100,8 +100,10 @@ class ConnectionPeers:
         self.failed, self.given_up = failed, given_up
         self._max_connections = max_connections
         self._thread_name = thread_name
-        #: (descriptor, inode of the server's socket) -> its connection's watch (loop thread)
-        self._of: OrderedDict[tuple[int, int], PeerWatch] = OrderedDict()
+        #: descriptor -> (inode of the server's socket, its connection's watch), loop thread.
+        #: By descriptor: a connection that closed is forgotten as soon as its number goes to
+        #: another, so the watches (and pidfds) of closed connections are not kept.
+        self._of: OrderedDict[int, tuple[int, PeerWatch]] = OrderedDict()
         self._queue: queue.Queue[PeerWatch | None] = queue.Queue(max_pending)
         #: failures by reason, appended by both threads, counted by :meth:`count_failures`
         self._failures: deque[str] = deque()
@@ -126,17 +128,19 @@ class ConnectionPeers:
             inode = os.fstat(fd).st_ino
         except OSError:
             return None
-        known = self._of.get((fd, inode))
+        known = self._of.get(fd)
         if known is not None:
-            self._of.move_to_end((fd, inode))
-            return known
+            if known[0] == inode:
+                self._of.move_to_end(fd)
+                return known[1]
+            del self._of[fd]  # that connection closed: its number is this one's now
         peer = peer_socket(fd)
         if peer is None:
             return None  # not a socket whose far end the kernel names: nothing to scan
         watch = PeerWatch(peer)
         if not self._submit(watch):
             return watch  # given up (counted): pending for ever, looked up again next time
-        self._of[(fd, inode)] = watch
+        self._of[fd] = (inode, watch)
         if len(self._of) > self._max_connections:
             self._of.popitem(last=False)
         return watch
