@@ -13,9 +13,9 @@ pre-faulted buffers, are moved by:
   L1 (which it registers with its client, as a server does): a record (header and
   checksum) put in a put session, a lookup, a verified read of header and payload (into
   its registered L1 arena: two ranged reads per record, ``get_into_ranges``).  It too
-  moves a batch in one Mooncake call.  (The client's ranged read of the payloads alone
-  is faster than its ``batch_get_into`` on TCP -- about 0.7x the time measured, and no
-  ~3 ms stalls -- so the direct load is the client's plain batched get, not its fastest
+  moves a batch in one Mooncake call.  (On a busy machine the client's ranged read is
+  faster than its ``batch_get_into`` on TCP, with half the CPU and without its ~3 ms
+  stalls, so there the direct load, the client's plain batched get, is not its fastest
   read of the same bytes);
 * ``records`` -- the client alone storing and reading objects laid out as the adapter's
   records (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``: a 4 KiB

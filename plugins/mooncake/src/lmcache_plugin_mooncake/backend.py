@@ -23,9 +23,9 @@ serde chain, XXH3-128 checksum of the payload) followed by the payload.
   buffer, exactly the sizes the lookup reported -- for the whole batch (up to
   ``KEYS_PER_LANE`` keys) in one call, then the headers and payload checksums are
   verified; anything that does not verify is a miss, and damage is removed.  Into the
-  registered L1 arena the call is two ranged reads per key (faster, and without the
-  stalls of a whole-object read, see ``_get_ranges``); into other memory, one scatter
-  read per key.
+  registered L1 arena the call is two ranged reads per key (half the CPU, faster on a
+  busy machine, and without the stalls of a whole-object read: see ``_get_ranges``);
+  into other memory, one scatter read per key.
 * CPU work on payloads (checksums of a store's headers, a load's verification) of
   batches large enough is split between threads, one per core (xxhash releases the
   GIL); stores and loads have helper threads of their own, each at its callers'
@@ -969,11 +969,12 @@ class MooncakeStoreBackend:
     def _get_ranges(self, store: Any, lane: Lane, names: list[str], buffers: list[memoryview]) -> list[int]:
         """The chunk's records read as two ranged reads per key in one call -- the header
         into its lane slot, the payload into its buffer, each buffer an offset from the
-        lowest -- with ``_get_chunk``'s code per key.  Measured on TCP: 256 x 1 MiB in
-        about 0.7x the time of ``batch_get_into_multi_buffers`` of the same records, and
-        below a plain ``batch_get_into`` of the payloads alone; one record at a time, a
-        p50 about 0.04 ms higher but a p90 of 0.7 ms where the whole-object read's
-        stalled (2.5-3.2 ms).
+        lowest -- with ``_get_chunk``'s code per key.  Measured on TCP, 256 x 1 MiB: on
+        a busy machine about 0.6-0.7x the time of ``batch_get_into_multi_buffers`` of the
+        same records (below a plain ``batch_get_into`` of the payloads alone), about even
+        on a quieter one, and half the CPU either way (the batched calls poll for
+        completion on the calling thread); one record at a time, a p50 about 0.04 ms
+        higher but a p90 of 0.7 ms where the whole-object reads stalled (2.5-3.2 ms).
 
         A ranged read does not fail on an object larger than the ranges (another
         writer's record of another size): its header then disagrees with the payload
