@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_tiers.peer_process import peer_pids, peer_socket, watch_peer, watch_peer_socket
+from lmcache_tiers.peer_process import PeerProcess, peer_pids, peer_socket, watch_peer, watch_peer_socket
 
 #: connects to argv[1] (a path, or host:port), says so, then waits to be killed
 CLIENT = """
@@ -83,12 +83,7 @@ def test_the_peer_process_is_named_and_its_exit_seen(
     assert peer_pids(conn.fileno()) == (process.pid,)
     watch = watch_peer(conn.fileno())
     assert watch is not None
-    try:
-        assert not watch.exited()
-        stop(process)
-        assert watch.exited()
-    finally:
-        watch.close()
+    exits_with(watch, process)
 
 
 def test_a_peer_read_at_once_is_watched_later_after_its_descriptor_closed(
@@ -103,6 +98,11 @@ def test_a_peer_read_at_once_is_watched_later_after_its_descriptor_closed(
     conn.close()  # the client still holds its end
     watch = watch_peer_socket(peer)
     assert watch is not None and watch.pids == (process.pid,)
+    exits_with(watch, process)
+
+
+def exits_with(watch: PeerProcess, process: subprocess.Popen[str]) -> None:
+    """``watch`` says exited once ``process`` has, not before (closed after)."""
     try:
         assert not watch.exited()
         stop(process)
