@@ -88,3 +88,38 @@ def test_a_lookup_anywhere_in_a_cell_spares_the_later_ones_of_that_cell_the_roun
     later = first + (1 - where) * step * 0.9
     assert locks.lock_deadline(later) == deadline == read_lock_deadline(later, ttl)
     assert rounded == [], "a later lookup of the same cell rounded afresh"
+
+
+def test_the_front_ends_deadline_comes_from_the_span_too(
+    read_locks: Callable[[float], ReadLocks], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``L1Manager.lock_deadline`` (what a front end asks on every LOOKUP it answers, for
+    the locks it records for the client) is the same float, from the span the lookups keep:
+    one rounding per cell for both, not one more per LOOKUP."""
+    import lmcache_tiers.l1.reads as reads
+
+    ttl = 64.0
+    step = ttl / LOCK_GRID_STEPS
+    l1 = L1Manager(4 * ALIGN, align=ALIGN, prefault=False, lock_ttl_s=ttl)
+    try:
+        rounded: list[float] = []
+
+        def counted(now: float, lock_ttl_s: float) -> float:
+            rounded.append(now)
+            return read_lock_deadline(now, lock_ttl_s)
+
+        monkeypatch.setattr(reads, "read_lock_deadline", counted)
+        first = 1000 * step + 0.1 * step
+        deadline = l1.lock_deadline(first)
+        assert deadline == read_lock_deadline(first, ttl)
+        rounded.clear()
+        for index in range(1, 50):
+            now = first + index * step / 100
+            assert l1.lock_deadline(now) == deadline == read_lock_deadline(now, ttl)
+            assert l1._reads.lock_deadline(now) == deadline
+        assert rounded == [], "the front end's deadline was rounded afresh within the span"
+        # Out of order and past the cell: still the very deadline of each time.
+        for now in (first - step, first + 3 * step, first + 0.5 * step, 1e6):
+            assert l1.lock_deadline(now) == read_lock_deadline(now, ttl), now
+    finally:
+        l1.close()

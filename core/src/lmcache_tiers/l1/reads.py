@@ -88,7 +88,9 @@ class ReadLocks:
         """``read_lock_deadline(now, self.lock_ttl_s)``, the very float, rounded afresh once
         per grid cell instead of on every lookup.  It is monotonic in ``now``: equal at two
         times, it is equal at every time between them, so a span whose both ends give the
-        deadline holds it throughout.  Called under the L1 lock."""
+        deadline holds it throughout.  Safe without the L1 lock too (``L1Manager.lock_deadline``):
+        the span is one tuple, read and replaced whole, and every span stored holds its
+        deadline, whichever thread stored it last."""
         first, last, deadline = self._deadline_span
         if first <= now <= last:
             return deadline
