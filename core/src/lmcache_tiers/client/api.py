@@ -498,7 +498,7 @@ class Client(Connection):
         else:
             reply = self._call(p.Lookup(0, "", keys), p.LookupReply, timeout=remaining)
         if reply.hits is not None:
-            return reply.hits
+            return self._checked_hits(reply.hits, keys)
         self._running_prefetch(reply.handle, keys)
         hits = self.wait_prefetch(reply.handle, max(0.0, deadline - time.monotonic()))
         if hits is None:
@@ -555,7 +555,7 @@ class Client(Connection):
                             self._running_prefetch(reply.handle, request.keys)
                             waiting.append((position, reply.handle))
                         else:
-                            results[position] = reply.hits
+                            results[position] = self._checked_hits(reply.hits, request.keys)
                 except BaseException:
                     # Lookups still in flight lock keys for us: release them when they land.
                     for request in requests:
@@ -593,7 +593,8 @@ class Client(Connection):
         reply = self._call(request, p.LookupReply)
         if reply.hits is None:
             self._running_prefetch(reply.handle, request.keys)
-        return reply.handle, reply.hits
+            return reply.handle, None
+        return reply.handle, self._checked_hits(reply.hits, request.keys)
 
     def query_prefetch(self, handle: int) -> int | None:
         """Non-blocking: the hit count of a started lookup, or None while it runs."""
@@ -610,14 +611,30 @@ class Client(Connection):
     def _prefetch_status(self, request: p._Request, handle: int, timeout: float | None) -> int | None:
         """A QUERY or WAIT of ``handle``; its keys are forgotten once its result is
         collected, or when an error reply says the server holds no such prefetch (any more)."""
+        keys = self._prefetch_keys.get(handle)  # forgotten once collected, checked against after
         try:
             hits = self._call(request, p.PrefetchStatusReply, timeout=timeout).hits
         except ServerError:
             self._prefetch_settled(handle)
             raise
-        if hits is not None:
-            self._prefetch_settled(handle)
-        return hits
+        if hits is None:
+            return None
+        self._prefetch_settled(handle)
+        return self._checked_hits(hits, keys)
+
+    def _checked_hits(self, hits: int, keys: list[ObjectKey] | None) -> int:
+        """``hits``, a LOOKUP's answer for ``keys`` (or its prefetch's; None: keys not
+        remembered), if it can be a prefix of them.  Another count is not handed to the
+        caller, who would retrieve that many objects or take keys past the prefix as cached:
+        it is a ProtocolError, once the locks the server may have taken on the keys are
+        given back."""
+        if 0 <= hits <= (len(keys) if keys is not None else hits):
+            return hits
+        asked = f"{len(keys)} keys" if keys is not None else "its keys"
+        failure = ProtocolError(f"{self.url} answered a lookup with {hits} hits for {asked}")
+        if keys:
+            self._give_back(keys, failure)
+        raise failure
 
     @contextlib.contextmanager
     def retrieve(
