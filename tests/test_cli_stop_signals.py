@@ -128,6 +128,61 @@ def test_sigterm_as_serve_lingers_for_stuck_threads_ends_it(tmp_path: Path) -> N
     assert "as the command started" not in err
 
 
+#: ``serve`` as above, the two threads it leaves behind blocked for good reading a FIFO
+#: nobody writes; the first one's join creates MARKER, so a signal then comes while the
+#: process lingers for them.  Two, because Python (3.11) takes a thread whose join a
+#: KeyboardInterrupt cut short for stopped, and its exit then waits only for the others.
+_STOPPED_SERVE_STUCK_ON_A_FIFO = _STOPPED_SERVE.replace(
+    """    threading.Thread(target=threading.Event().wait, name="stuck-in-a-call").start()
+    pathlib.Path(marker).touch()
+""",
+    """    fifo = marker + ".fifo"
+    os.mkfifo(fifo)
+
+    class Reading(threading.Thread):
+        def join(self, timeout=None):
+            pathlib.Path(marker).touch()
+            super().join(timeout)
+
+    def read():
+        with open(fifo, "rb") as stuck:  # no writer ever opens it
+            stuck.read()
+
+    Reading(target=read, name="fifo-read-1").start()
+    Reading(target=read, name="fifo-read-2").start()
+""",
+)
+
+
+def test_ctrl_c_as_serve_lingers_for_stuck_threads_ends_it(tmp_path: Path) -> None:
+    """A Ctrl-C while the process lingered for threads stuck in calls raised
+    KeyboardInterrupt there, past the exit that leaves them behind: the process printed
+    "stopped by SIGINT" and then hung in Python's exit, joining threads stuck for good,
+    until a second Ctrl-C.  It now leaves at once with the stop's exit code."""
+    assert "Reading(target=read" in _STOPPED_SERVE_STUCK_ON_A_FIFO  # the replacement took
+    marker = tmp_path / "lingering"
+    args = ["serve", "--no-default-l2", "--l1-size-gb", "0.01", "--disable-metrics"]
+    args += ["--host", f"ipc://{tmp_path / 'rpc.sock'}"]
+    process = launch_script(_STOPPED_SERVE_STUCK_ON_A_FIFO, str(marker), *args)
+    try:
+        _wait_for(marker, process)
+        process.send_signal(signal.SIGINT)
+        try:
+            _out, err = process.communicate(timeout=HOLD_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail("serve went on waiting for the stuck threads after the Ctrl-C")
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == 0, err
+    last = err.strip().splitlines()[-1]  # the Ctrl-C's one line, nothing after it
+    assert last.endswith(
+        "WARNING lmcache_tiers.server: SIGINT while waiting for 2 threads still in calls after the stop"
+        " (fifo-read-1, fifo-read-2): exiting without waiting for them"
+    ), err
+    assert "stopped by SIGINT" not in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_signal_to_a_client_command_at_work_says_it_stopped_it(tmp_path: Path, sig: int) -> None:
     """status and bench have no stop handling of their own: a SIGTERM while they waited

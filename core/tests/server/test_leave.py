@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
+
+import pytest
 
 # A pool thread stuck for good (a read on a hung mount): Python's exit would join it.
 _STUCK = textwrap.dedent(
@@ -49,3 +54,67 @@ def test_a_thread_stuck_in_a_call_does_not_keep_the_process_from_ending() -> Non
 def test_with_nothing_stuck_it_returns_and_the_process_exits_as_it_would() -> None:
     done = subprocess.run([sys.executable, "-c", _NOTHING_STUCK], capture_output=True, text=True, timeout=60)
     assert done.returncode == 3 and "returned" in done.stdout, done.stderr
+
+
+# Two threads blocked for good reading a FIFO nobody writes; the first one's join() creates
+# MARKER, so the test's Ctrl-C comes while the process lingers for them (linger_s: far longer
+# than the test).  Two, because Python (3.11) takes a thread whose join a KeyboardInterrupt
+# cut short for stopped, and its exit then waits only for the others.
+_STUCK_ON_A_FIFO = textwrap.dedent(
+    """
+    import logging, os, pathlib, sys, threading
+    from lmcache_tiers.server.leave import leave_past_stuck_threads
+
+    fifo, marker = sys.argv[1], sys.argv[2]
+    os.mkfifo(fifo)
+
+    class Reading(threading.Thread):
+        def join(self, timeout=None):
+            pathlib.Path(marker).touch()
+            super().join(timeout)
+
+    def read():
+        with open(fifo, "rb") as stuck:  # blocks: no writer ever opens it
+            stuck.read()
+
+    logging.basicConfig(level=logging.INFO)
+    Reading(target=read, name="fifo-read-1").start()
+    Reading(target=read, name="fifo-read-2").start()
+    leave_past_stuck_threads(4, linger_s=3600)
+    print("not reached while a thread is stuck", flush=True)
+    """
+)
+
+
+def test_ctrl_c_while_it_lingers_leaves_at_once_with_the_code_of_the_stop(tmp_path: Path) -> None:
+    """A Ctrl-C in the linger raised KeyboardInterrupt there, and Python's exit then joined
+    the stuck threads: the process hung until a second Ctrl-C."""
+    marker = tmp_path / "lingering"
+    process = subprocess.Popen(
+        [sys.executable, "-c", _STUCK_ON_A_FIFO, str(tmp_path / "fifo"), str(marker)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # Python installs its own
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "it never lingered"
+            time.sleep(0.02)
+        process.send_signal(signal.SIGINT)
+        try:
+            out, err = process.communicate(timeout=60)  # a guard: on the old code it never ends
+        except subprocess.TimeoutExpired:
+            pytest.fail("the process went on waiting for the stuck threads after the Ctrl-C")
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == 4, err
+    assert "not reached" not in out
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == [
+        "WARNING:lmcache_tiers.server:SIGINT while waiting for 2 threads still in calls after the stop"
+        " (fifo-read-1, fifo-read-2): exiting without waiting for them"
+    ], err

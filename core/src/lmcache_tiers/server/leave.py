@@ -11,31 +11,80 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
+from types import FrameType
 
 logger = logging.getLogger("lmcache_tiers.server")
 
 #: how long threads still running after the stop get to end by themselves
 LINGER_S = 1.0
 
+#: how often the linger looks for a Ctrl-C that came while it joins a thread
+_CTRL_C_CHECK_S = 0.05
+
+
+class _CtrlCWhileLingering:
+    """SIGINT's handler while the process lingers: it records the Ctrl-C instead of raising.
+
+    Raised there, the KeyboardInterrupt unwound past the exit that leaves stuck threads
+    behind, and Python's exit then joined them: the process hung until a second Ctrl-C.
+    It is not raised into the join to end the wait either: Python (3.11) then takes the
+    joined thread for stopped, and it would be missing from the threads logged."""
+
+    def __init__(self) -> None:
+        self.came = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.came = True
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends the process at once
+
+    @classmethod
+    def take(cls) -> _CtrlCWhileLingering | None:
+        """Handle SIGINT while lingering where it would raise KeyboardInterrupt; left alone
+        where it does something else (ignored as inherited, ends the process at once)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return None
+        handler = cls()
+        signal.signal(signal.SIGINT, handler)
+        return handler
+
+    def give_back(self) -> None:
+        if signal.getsignal(signal.SIGINT) is self:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 def leave_past_stuck_threads(code: int, linger_s: float = LINGER_S) -> None:
     """Return when no other non-daemon thread is left (or one ends within ``linger_s``);
-    else log them and end the process now with ``code``."""
+    else log them and end the process now with ``code``.  A Ctrl-C meanwhile ends the
+    wait: the process leaves at once, with ``code`` all the same (the stop's outcome)."""
+    ctrl_c = _CtrlCWhileLingering.take()
     deadline = time.monotonic() + linger_s
     stuck = []
     for thread in threading.enumerate():
         if thread is threading.current_thread() or thread.daemon:
             continue
-        thread.join(max(0.0, deadline - time.monotonic()))
+        while thread.is_alive() and not (ctrl_c is not None and ctrl_c.came):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            thread.join(min(left, _CTRL_C_CHECK_S) if ctrl_c is not None else left)
         if thread.is_alive():
             stuck.append(thread.name)
     if not stuck:
+        if ctrl_c is not None:
+            ctrl_c.give_back()
         return
+    if ctrl_c is not None and ctrl_c.came:
+        what = "SIGINT while waiting for %d threads still in calls after the stop (%s)"
+    else:
+        what = "%d threads are still stuck in calls after the stop (%s)"
     logger.warning(
-        "%d threads are still stuck in calls after the stop (%s): exiting without waiting for them",
+        what + ": exiting without waiting for them",
         len(stuck),
         ", ".join(sorted(stuck)[:8]) + (", ..." if len(stuck) > 8 else ""),
     )
