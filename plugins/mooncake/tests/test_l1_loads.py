@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from lmcache_plugin_mooncake.cluster import LocalCluster
+from lmcache_plugin_mooncake.cluster import LocalCluster, NotedCalls
 from lmcache_plugin_mooncake.headers import HEADER_BYTES
 from mooncake_helpers import backend_of, config_for, raw_client
 
@@ -46,17 +46,6 @@ def raw(mooncake_pool: LocalCluster) -> Iterator[Any]:
     client = raw_client(mooncake_pool)
     yield client
     client.close()
-
-
-class _Calls:
-    """The adapter's client, noting the name of every method the adapter calls."""
-
-    def __init__(self, store: Any, called: list[str]) -> None:
-        self._store, self._called = store, called
-
-    def __getattr__(self, attribute: str) -> Any:
-        self._called.append(attribute)
-        return getattr(self._store, attribute)
 
 
 def _slots(arena: memoryview, sizes: list[int]) -> list[memoryview]:
@@ -97,7 +86,7 @@ def test_a_batch_loads_into_l1_by_ranged_reads(adapter: BackendAdapter, arena: m
     backend = backend_of(adapter)
     called: list[str] = []
     real = backend.connection.store()
-    backend.connection.store = lambda: _Calls(real, called)  # type: ignore[method-assign]
+    backend.connection.store = lambda: NotedCalls(real, called)  # type: ignore[method-assign]
     try:
         # key 0 at the end of the used span, key 2 at its start: offsets from the lowest
         targets = _slots(arena, [SIZE] * 3)[::-1]
@@ -185,3 +174,43 @@ def test_a_batch_with_empty_payloads_loads_into_l1(adapter: BackendAdapter, aren
     assert client.load(keys[:1], targets[:1]) == [True], "a batch of empty payloads alone"
     adapter.unlock(keys)
     assert [bytes(target) for target in targets] == data
+
+
+class _SizesUnanswered(NotedCalls):
+    """The adapter's client whose replica queries the master leaves unanswered (``{}``,
+    as Mooncake answers when its master RPC fails) while the objects exist."""
+
+    def batch_get_replica_desc(self, names: list[str]) -> dict[str, Any]:
+        self.called.append("batch_get_replica_desc")
+        return {}
+
+
+def test_a_larger_record_whose_size_cannot_be_asked_again_is_kept(
+    adapter: BackendAdapter, arena: memoryview, raw: Any
+) -> None:
+    """A ranged read never learns an object's size: a header disagreeing with the bytes
+    read is damage only once the master says the object is of the size read.  Unasked,
+    the object may be another writer's larger record, whose store it acknowledged: a
+    miss, counted, kept -- and its next lookup asks the master for its size."""
+    (key,) = make_keys(1)
+    _stored(adapter, arena, [key])
+    bigger = pattern(9, 2 * SIZE)
+    backend = backend_of(adapter)
+    name = backend.names.of(key)
+    assert raw.remove(name, True) == 0 and raw.put(name, _record(key, bigger)) == 0
+
+    called: list[str] = []
+    real = backend.connection.store()
+    backend.connection.store = lambda: _SizesUnanswered(real, called)  # type: ignore[method-assign]
+    try:
+        assert _load(adapter, arena, [key], [SIZE]) == [False]
+    finally:
+        del backend.connection.store
+    assert "batch_get_replica_desc" in called, "the size was asked again"
+    assert raw.is_exist(name) == 1, "another writer's valid record is not removed"
+    assert adapter.stats().get("corrupt_records_removed", 0) == 0
+    assert adapter.stats()["load_failures"] == 1
+
+    client = BlockingAdapterClient(adapter)
+    assert client.lookup_and_lock([key]).sizes == [2 * SIZE], "sized by the master this time"
+    adapter.unlock([key])

@@ -205,6 +205,8 @@ _TRANSFER_FAILED = -800
 _TOO_SMALL = -600
 #: a damaged object no longer in the pool when read again (see ``_replaced_since``)
 _GONE = "gone"
+#: a damaged object that could not be read (or sized) again to tell (``_replaced_since``)
+_UNTOLD = "untold"
 #: a record not put because removing the old object failed, or because its header
 #: does not fit (each counted where it happens)
 _GIVEN_UP = 1
@@ -924,9 +926,13 @@ class MooncakeStoreBackend:
                 self._skipped_closing(len(keys) - chunk.start)
                 break
             chunk_keys, chunk_buffers = [keys[i] for i in chunk], [buffers[i] for i in chunk]
+            ranged = self._in_registered_l1(chunk_buffers)
             with self.lanes.lane(self.timeout) as lane:
-                names, codes = self._get_chunk(store, lane, chunk_keys, chunk_buffers)
-                self._check_chunk(store, lane, chunk_keys, names, chunk_buffers, codes, ok, chunk.start)
+                names, codes = self._get_chunk(store, lane, chunk_keys, chunk_buffers, ranged)
+                # A ranged read does not fail on a larger object: it proves no size.
+                self._check_chunk(
+                    store, lane, chunk_keys, names, chunk_buffers, codes, ok, chunk.start, sized=not ranged
+                )
         return ok
 
     def _skipped_closing(self, left: int) -> None:
@@ -939,12 +945,13 @@ class MooncakeStoreBackend:
         )  # fmt: skip
 
     def _get_chunk(
-        self, store: Any, lane: Lane, keys: list[ObjectKey], buffers: list[memoryview]
+        self, store: Any, lane: Lane, keys: list[ObjectKey], buffers: list[memoryview], ranged: bool
     ) -> tuple[list[str], list[int]]:
-        """One scatter read of the chunk's records: headers into the lane, payloads into
-        their buffers; the names and Mooncake's code per key."""
+        """One read of the chunk's records: headers into the lane, payloads into their
+        buffers (``ranged``: buffers in the registered L1 arena, see ``_get_ranges``; else
+        one scatter read per key); the names and Mooncake's code per key."""
         names = [self.names.of(key) for key in keys]
-        if self._in_registered_l1(buffers):
+        if ranged:
             return names, self._get_ranges(store, lane, names, buffers)
         pointers = [
             [lane.address(slot), address_of(buffer)] if buffer.nbytes else [lane.address(slot)]
@@ -1013,14 +1020,19 @@ class MooncakeStoreBackend:
         codes: list[int],
         ok: list[bool],
         offset: int,
+        *,
+        sized: bool,
     ) -> None:
-        """Verify every record a chunk read; ``ok[offset + slot]`` for the ones that do."""
+        """Verify every record a chunk read; ``ok[offset + slot]`` for the ones that do.
+        ``sized``: the read failed on an object not of the size read (a scatter read)."""
 
         def check(slots: Sequence[int]) -> None:
             for slot in slots:
                 name, buffer, code = names[slot], buffers[slot], codes[slot]
                 if code == HEADER_BYTES + buffer.nbytes:
-                    ok[offset + slot] = self._verified(store, keys[slot], name, lane.slot(slot), buffer)
+                    ok[offset + slot] = self._verified(
+                        store, keys[slot], name, lane.slot(slot), buffer, sized
+                    )
                 elif code == NOT_FOUND:
                     self.context.count("load_vanished")
                 else:
@@ -1035,18 +1047,23 @@ class MooncakeStoreBackend:
 
         self._in_parallel(self._load_helpers, check, len(keys), sum(buffer.nbytes for buffer in buffers))
 
-    def _verified(self, store: Any, key: ObjectKey, name: str, slot: memoryview, payload: memoryview) -> bool:
+    def _verified(
+        self, store: Any, key: ObjectKey, name: str, slot: memoryview, payload: memoryview, sized: bool
+    ) -> bool:
+        """Whether the record read into ``slot`` and ``payload`` verifies; ``sized``: the
+        read proved the object of exactly that size (else its judgment must ask)."""
         size = HEADER_BYTES + payload.nbytes
         header = self._header(store, key, name, slot, size, loading=True)
         if header is None:
             return False
         if header.payload_len != payload.nbytes:
-            self._remove_damaged(store, key, name, "payload length differs from its header", size, slot)
+            why = "payload length differs from its header"
+            self._remove_damaged(store, key, name, why, size, slot, sized=sized)
             return False
         try:
             verify_payload(header, payload)
         except RecordError as exc:
-            self._remove_damaged(store, key, name, str(exc), size, slot, payload)
+            self._remove_damaged(store, key, name, str(exc), size, slot, payload, sized=sized)
             return False
         return True
 
@@ -1086,11 +1103,14 @@ class MooncakeStoreBackend:
         size: int,
         header: memoryview | bytes | None = None,
         payload: memoryview | None = None,
+        *,
+        sized: bool = True,
     ) -> None:
         """Remove the object under ``name``, judged damaged (``why``) by a read that found
         ``size`` bytes there, and in them ``header`` and ``payload`` (the parts judged) --
         only if it still holds them.  ``header`` is the lane slot it was read into (read
-        again there), or a copy once that lane was given back.
+        again there), or a copy once that lane was given back.  ``sized``: the read
+        proved the object ``size`` bytes long (a ranged read does not).
 
         Mooncake has no conditional remove, and another writer may have replaced the
         object since it was read -- or while it was read, the read torn between the two:
@@ -1099,8 +1119,20 @@ class MooncakeStoreBackend:
         object is read again first and kept when it differs (a miss all the same,
         counted: ``corrupt_reads_replaced``); only a replacement in the instant between
         that read and the removal is removed.  An object that cannot be read again is
-        removed as judged."""
+        removed as judged -- if its judged read proved its size: else it may be another
+        writer's larger record (a miss, ``load_failures``, kept and sized again)."""
         changed = self._replaced_since(store, name, size, header, payload)
+        if changed is _UNTOLD and not sized:
+            self._size_changed(name)
+            self.context.count("load_failures")
+            self._throttle.warn(
+                "damaged_untold", "%s: the record of %s read did not verify (%s), and the object "
+                "could not be read again to tell whether another writer replaced it: a miss, kept",
+                self.context.name, printable(key.file_stem()), why,
+            )  # fmt: skip
+            return
+        if changed is _UNTOLD:
+            changed = None
         if changed is not None and changed is not _GONE:
             # Of another size, perhaps: a ranged read (see ``_get_ranges``) does not fail
             # on a larger object, so core's size must not answer the next lookup.
@@ -1126,8 +1158,9 @@ class MooncakeStoreBackend:
         self, store: Any, name: str, size: int, header: memoryview | bytes | None, payload: memoryview | None
     ) -> str | None:
         """How the object under ``name`` differs now from the ``size`` bytes, ``header``
-        and ``payload`` a read judged damaged; None when it still holds them, or cannot be
-        read to tell (the read failed); ``_GONE`` when there is no object."""
+        and ``payload`` a read judged damaged; None when it still holds them; ``_UNTOLD``
+        when it cannot be read to tell (the read failed); ``_GONE`` when there is no
+        object."""
         if payload is None:
             return self._header_replaced_since(store, name, size, header)
         # Into memory of its own, not a lane or L1 (Mooncake stages unregistered memory).
@@ -1139,7 +1172,7 @@ class MooncakeStoreBackend:
         if code == NOT_FOUND:
             return _GONE
         if code < 0:
-            return None  # unreadable now: removed as judged
+            return _UNTOLD
         if code != size:
             return f"now {code} bytes, not the {size} read"
         if header is not None and view[:HEADER_BYTES] != header:
@@ -1158,7 +1191,7 @@ class MooncakeStoreBackend:
         try:
             now = self._record_sizes(store, [name]).get(name)
         except MooncakeError:
-            return None  # unreadable now: removed as judged
+            return _UNTOLD
         if now is None:  # no complete replica: gone, or another writer's put under way
             return _GONE
         if now != size:

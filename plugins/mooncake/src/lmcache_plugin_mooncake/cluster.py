@@ -8,7 +8,8 @@ survive a master restart; clients reconnect by themselves), and a segment host k
 a crash would kill it (its objects are lost once the master drops its segment).
 
 ``unavailable_reason()`` says why the wheel cannot run here (not installed, a system
-library missing), for tests to skip with.
+library missing), for tests to skip with; ``NotedCalls`` wraps a client to tell which of
+its methods a path calls.
 """
 
 from __future__ import annotations
@@ -29,12 +30,23 @@ from typing import Any
 
 from lmcache_tiers.plugin import free_port, free_ports
 
-__all__ = ["LocalCluster", "free_port", "free_ports", "unavailable_reason"]
+__all__ = ["LocalCluster", "NotedCalls", "free_port", "free_ports", "unavailable_reason"]
 
 logger = logging.getLogger(__name__)
 
 #: how long the master and a segment host get to start listening
 START_TIMEOUT_S = 30.0
+
+
+class NotedCalls:
+    """A Mooncake client that notes in ``called`` the name of every method called on it."""
+
+    def __init__(self, store: Any, called: list[str]) -> None:
+        self.store, self.called = store, called
+
+    def __getattr__(self, attribute: str) -> Any:
+        self.called.append(attribute)
+        return getattr(self.store, attribute)
 
 
 def _package_dir() -> Path | None:
