@@ -18,10 +18,10 @@ pre-faulted buffers, are moved by:
   stalls, so there the direct load, the client's plain batched get, is not its fastest
   read of the same bytes);
 * ``records`` -- the client alone storing and reading objects laid out as the adapter's
-  records (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``: a 4 KiB
-  header scratch and the payload, one call per batch) with no lookup or checksum: what
-  the record layout costs by itself, so that the rest of the gap (the checks and the
-  adapter's threads) can be told apart.
+  records (``batch_put_from_multi_buffers`` of a 4 KiB header scratch and the payload;
+  read as the adapter reads into L1, two ranged reads each, ``get_into_ranges``; one call
+  per batch) with no lookup or checksum: what the record layout costs by itself, so that
+  the rest of the gap (the checks and the adapter's threads) can be told apart.
 
 Like for like: a load is timed alone on both sides (the adapter's lookup, which pins the
 keys, runs untimed before it -- the client needs none to read); a lookup is timed next
@@ -140,9 +140,19 @@ class Direct:
         assert set(codes) == {0}, set(codes)
 
     def get_records(self, names: list[str], size: int) -> None:
-        """Those objects read as the adapter reads its records, without verifying them."""
-        codes = self.store.batch_get_into_multi_buffers(names, *self._record_parts(names, self.dst, size))
-        assert set(codes) == {HEADER_BYTES + size}, set(codes)
+        """Those objects read as the adapter reads its records into its L1 arena, without
+        verifying them: two ranged reads each in one call, the header into the scratch,
+        the payload into the destination."""
+        count = len(names)
+        answer = self.store.get_into_ranges(
+            [self.headers, self.dst],
+            [names, names],
+            [[[i * HEADER_BYTES] for i in range(count)], [[i * size] for i in range(count)]],
+            [[[0]] * count, [[HEADER_BYTES]] * count],
+            [[[HEADER_BYTES]] * count, [[size]] * count],
+        )
+        headers, payloads = ({ranges[0] for ranges in part} for part in answer)
+        assert headers == {HEADER_BYTES} and payloads == {size}, (headers, payloads)
 
     def exists(self, names: list[str]) -> None:
         """Ask the master whether the names exist, as a client does before reading."""
