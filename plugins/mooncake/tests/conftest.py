@@ -2,6 +2,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -11,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 from lmcache_plugin_mooncake.cluster import LocalCluster, unavailable_reason
+from mooncake_helpers import raw_client
 
 
 @pytest.fixture(scope="session")
@@ -46,3 +48,11 @@ def own_cluster(tmp_path: Path, mooncake_unavailable: str | None) -> Iterator[Lo
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture
+def raw(mooncake_pool: LocalCluster) -> Iterator[Any]:
+    """A plain Mooncake client on the shared pool: another party writing into it."""
+    client = raw_client(mooncake_pool)
+    yield client
+    client.close()

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from lmcache_plugin_mooncake.cluster import LocalCluster, NotedCalls
 from lmcache_plugin_mooncake.headers import HEADER_BYTES
-from mooncake_helpers import backend_of, config_for, raw_client
+from mooncake_helpers import backend_of, config_for
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
@@ -39,13 +39,6 @@ def adapter(mooncake_pool: LocalCluster, arena: memoryview) -> Iterator[BackendA
     assert isinstance(opened, BackendAdapter)
     yield opened
     opened.close()
-
-
-@pytest.fixture
-def raw(mooncake_pool: LocalCluster) -> Iterator[Any]:
-    client = raw_client(mooncake_pool)
-    yield client
-    client.close()
 
 
 def _slots(arena: memoryview, sizes: list[int]) -> list[memoryview]:

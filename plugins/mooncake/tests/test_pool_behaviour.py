@@ -14,7 +14,7 @@ import pytest
 from lmcache_plugin_mooncake.backend import PARALLEL_MIN_BYTES, MooncakeError
 from lmcache_plugin_mooncake.cluster import LocalCluster
 from lmcache_plugin_mooncake.headers import HEADER_BYTES, KEYS_PER_LANE
-from mooncake_helpers import Xor, backend_of, config_for, eventually, open_adapter, raw_client
+from mooncake_helpers import Xor, backend_of, config_for, eventually, open_adapter
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter
@@ -47,13 +47,6 @@ def adapters() -> Iterator[list[BackendAdapter]]:
     yield opened
     for adapter in opened:
         adapter.close()
-
-
-@pytest.fixture
-def raw(mooncake_pool: LocalCluster) -> Iterator[Any]:
-    client = raw_client(mooncake_pool)
-    yield client
-    client.close()
 
 
 def store(adapter: BackendAdapter, keys: list[ObjectKey], size: int = SIZE, seed: int = 0) -> list[bytes]:
