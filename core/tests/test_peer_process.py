@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_tiers.peer_process import PeerProcess, peer_pids, peer_socket, watch_peer, watch_peer_socket
+from lmcache_tiers.peer_process import (
+    PeerProcess,
+    maps_file,
+    peer_pids,
+    peer_socket,
+    watch_peer,
+    watch_peer_socket,
+)
 
 #: connects to argv[1] (a path, or host:port), says so, then waits to be killed
 CLIENT = """
@@ -176,3 +183,33 @@ def test_a_closed_watch_never_says_exited(tmp_path: Path) -> None:
         watch.close()
         stop(process)
         assert not watch.exited()  # it can no longer tell: never taken as over
+
+
+def test_maps_file_names_only_a_process_mapping_the_file(tmp_path: Path) -> None:
+    mapped = tmp_path / "arena"
+    mapped.write_bytes(bytes(4096))
+    info = os.stat(mapped)
+    mapper = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import mmap, sys\nf = open(sys.argv[1], 'r+b')\nm = mmap.mmap(f.fileno(), 4096)\n"
+            "print('mapped', flush=True)\nsys.stdin.read()",
+            str(mapped),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert mapper.stdout is not None and mapper.stdout.readline().strip() == "mapped"
+        assert maps_file((mapper.pid,), info.st_dev, info.st_ino)
+        assert maps_file((os.getpid(), mapper.pid), info.st_dev, info.st_ino)
+        assert not maps_file((os.getpid(),), info.st_dev, info.st_ino)
+    finally:
+        mapper.kill()
+        mapper.wait()
+        for stream in (mapper.stdin, mapper.stdout):
+            if stream is not None:
+                stream.close()
+    assert not maps_file((mapper.pid,), info.st_dev, info.st_ino)  # gone: not known to map it

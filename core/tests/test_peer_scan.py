@@ -17,12 +17,13 @@ import threading
 import weakref
 from collections import Counter
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from lmcache_tiers.peer_process import PeerProcess, PeerSocket, watch_peer_socket
+from lmcache_tiers.peer_process import PeerProcess, PeerSocket, watch_peer_socket, watch_writer_socket
 from lmcache_tiers.peer_scan import ConnectionPeers
 from lmcache_tiers.testing.peer_scans import GATE_S, GatedScanner
 
@@ -228,3 +229,51 @@ def test_connections_of_one_process_share_its_watch(peers: Any, listener: Any) -
                 assert one is not None and two is not None and one is not two
                 assert one.armed.wait(GATE_S) and two.armed.wait(GATE_S)
                 assert one.process is not None and one.process is two.process
+
+
+#: connects to the Unix socket argv[1] after mapping the file argv[2], as a shared-memory
+#: writer maps the arena, then waits to be killed
+MAPPING_CLIENT = """
+import mmap, socket, sys, time
+with open(sys.argv[2], "r+b") as f:
+    mapped = mmap.mmap(f.fileno(), 4096)
+sock = socket.socket(socket.AF_UNIX)
+sock.connect(sys.argv[1])
+print("connected", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_process_not_mapping_the_arena_is_not_the_writer(
+    clients: Any, listener: tuple[socket.socket, str], peers: Any, tmp_path: Path
+) -> None:
+    """A relay holds the connection but copies nothing: its exit must lift no fence."""
+    arena = tmp_path / "arena"
+    arena.write_bytes(bytes(4096))
+    info = os.stat(arena)
+    scanner = partial(watch_writer_socket, arena=(info.st_dev, info.st_ino))
+    connections = peers(scanner, not_writer="test_not_writer")
+    relay, relayed = clients()  # maps nothing
+    writer = subprocess.Popen(
+        [sys.executable, "-c", MAPPING_CLIENT, listener[1], str(arena)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "connected"
+        written, _ = listener[0].accept()
+        with written:
+            of_relay = connections.watch(relayed.fileno())
+            of_writer = connections.watch(written.fileno())
+            assert of_relay is not None and of_relay.armed.wait(GATE_S)
+            assert of_writer is not None and of_writer.armed.wait(GATE_S)
+            assert of_relay.process is None and of_relay.not_writer
+            assert of_writer.process is not None and of_writer.process.pids == (writer.pid,)
+            assert not of_writer.not_writer
+            relay.kill()
+            relay.wait()
+            assert not of_relay.exited()  # the fence waiting for it stays
+            assert connections.take_failures() == Counter({"test_not_writer": 1})
+    finally:
+        writer.kill()
+        writer.wait()
+        if writer.stdout is not None:
+            writer.stdout.close()

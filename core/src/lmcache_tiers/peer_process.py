@@ -25,6 +25,11 @@ the descriptor at once, read while the descriptor is still the connection's), an
 
 Left: an owner the scan cannot see (another user's process, when the server does not
 run as root), holding the same loopback socket as one it sees, is not waited for.
+
+A process found at a connection's far end is the writer of a shared-memory store only if
+it maps the segment itself (:func:`maps_file`; :func:`watch_writer_socket` checks it as
+soon as the pidfds are open): a local relay between the client and the server holds the
+connection but copies nothing, and its exit says nothing of the client's.
 """
 
 from __future__ import annotations
@@ -40,12 +45,14 @@ from dataclasses import dataclass
 __all__ = [
     "PeerProcess",
     "PeerSocket",
+    "maps_file",
     "peer_pids",
     "peer_socket",
     "peer_socket_pids",
     "pidfd_exited",
     "watch_peer",
     "watch_peer_socket",
+    "watch_writer_socket",
 ]
 
 #: struct ucred: pid, uid, gid
@@ -189,6 +196,25 @@ def _holders(inode: int) -> tuple[int, ...]:
     return tuple(found)
 
 
+def maps_file(pids: tuple[int, ...], device: int, inode: int) -> bool:
+    """Whether one of the processes ``pids`` maps the file of ``device`` and ``inode``
+    (``/proc/<pid>/maps``).  Read after their pidfds are opened, the maps are those of the
+    processes the pidfds watch: a pid reused since names a process they do not watch.
+    Inode 0 names no file (anonymous maps show ``00:00 0``): no process maps it."""
+    if inode == 0:
+        return False
+    # " <device> <inode> " as a maps line has them between the offset and the path
+    place = f" {os.major(device):02x}:{os.minor(device):02x} {inode} "
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as maps:
+                if any(place in line for line in maps):
+                    return True
+        except OSError:
+            continue  # exited, or not ours to read: not known to map it
+    return False
+
+
 def pidfd_exited(pidfd: int) -> bool:
     """Whether the process of ``pidfd`` has exited (its pidfd reads as ready)."""
     # poll, not select: a pidfd may be numbered past select's FD_SETSIZE (1024), where
@@ -208,6 +234,9 @@ class PeerProcess:
         self.pids = pids
         self._pidfds = pidfds
         self._closed = False
+        #: False once found not to map the arena (:func:`watch_writer_socket`): not the
+        #: writer of a shared-memory store, whose exit then lifts no fence
+        self.writer = True
 
     def exited(self) -> bool:
         if self._closed:
@@ -243,6 +272,16 @@ def watch_peer_socket(peer: PeerSocket) -> PeerProcess | None:
     holding the connection now: one that held it and has exited is not found (the
     caller then knows none, and keeps fences as for an unknown process)."""
     return _watch_pids(peer_socket_pids(peer))
+
+
+def watch_writer_socket(peer: PeerSocket, arena: tuple[int, int]) -> PeerProcess | None:
+    """:func:`watch_peer_socket`, its watch marked not the ``writer`` unless one of its
+    processes maps the file ``arena`` (device, inode), its maps read right after its
+    pidfds were opened: one that exited meanwhile is not known to map it (fail closed)."""
+    watch = watch_peer_socket(peer)
+    if watch is not None and not maps_file(watch.pids, *arena):
+        watch.writer = False
+    return watch
 
 
 def _watch_pids(pids: tuple[int, ...]) -> PeerProcess | None:

@@ -20,7 +20,12 @@ thread ran it.  :class:`ConnectionPeers` is what both front ends use for it:
   connection past ``max_pending`` waiting for its scan, or one still waiting at the stop,
   is given up (its ``given_up`` reason): pending for ever, so its fences stay, and looked
   up again at its next request.  :meth:`ConnectionPeers.count_failures` counts and logs them;
-* connections of one live process share its watch (one pidfd per process).
+* connections of one live process share its watch (one pidfd per process);
+* a scan that found processes not mapping the arena
+  (:func:`~lmcache_tiers.peer_process.watch_writer_socket`: a relay between the client and
+  the server, which copies nothing) names no writer: the watch is armed with none
+  (:attr:`PeerWatch.not_writer`) and counted (the front end's ``not_writer`` reason), so
+  the relay's exit lifts no fence.
 
 :meth:`ConnectionPeers.scan_now` runs a pending watch's scan on the caller's thread, for
 the rare request that cannot be answered right without knowing its process.
@@ -62,10 +67,13 @@ class PeerWatch:
         #: the connection's far end as read when it was first seen (what a scan looks for)
         self.peer = peer
         self._watch: PeerProcess | None = None
+        #: the processes found at the far end do not map the arena: not the writer
+        self.not_writer = False
         self.armed = threading.Event()
 
-    def arm(self, watch: PeerProcess | None) -> None:
+    def arm(self, watch: PeerProcess | None, *, not_writer: bool = False) -> None:
         self._watch = watch
+        self.not_writer = not_writer
         self.armed.set()
 
     @property
@@ -87,17 +95,20 @@ class ConnectionPeers:
         *,
         failed: str = "peer_scan_failed",
         given_up: str = "peer_scan_given_up",
+        not_writer: str = "peer_not_writer",
         max_pending: int = 1024,
         max_connections: int = 4096,
         thread_name: str = "peer-scan",
     ) -> None:
-        """``failed`` / ``given_up``: the failure reasons a front end counts them under;
+        """``failed`` / ``given_up`` / ``not_writer``: the reasons a front end
+        counts them under (see the module);
         ``max_pending``: connections waiting for their scan past which a new one is given
         up (a reconnect storm must not grow the queue without bound); ``max_connections``:
         connections remembered (past it the oldest is forgotten, and looked up again if it
         comes back: whoever holds its watch keeps it)."""
         self._scan = scan
         self.failed, self.given_up = failed, given_up
+        self.not_writer = not_writer
         self._max_connections = max_connections
         self._thread_name = thread_name
         #: descriptor -> (inode of the server's socket, its connection's watch), loop thread.
@@ -180,6 +191,11 @@ class ConnectionPeers:
             self._scan_errors.warn(self.failed, "a client connection's process lookup raised: %s", exc)
             self._failures.append(self.failed)
             found = None
+        not_writer = False
+        if found is not None and not found.writer:
+            found.close()  # a relay, or a process that never mapped the arena: never waited for
+            self._failures.append(self.not_writer)
+            found, not_writer = None, True
         with self._lock:
             if watch.armed.is_set():  # settled meanwhile by the other thread
                 if found is not None:
@@ -192,7 +208,7 @@ class ConnectionPeers:
                     found = shared
                 else:
                     self._by_pids[found.pids] = found
-            watch.arm(found)
+            watch.arm(found, not_writer=not_writer)
 
     def take_failures(self) -> Counter[str]:
         """Scans failed or given up since the last call, by reason."""
@@ -202,15 +218,21 @@ class ConnectionPeers:
         return taken
 
     def count_failures(self, count: Callable[[str, int], None], meaning: Callable[[str], str]) -> None:
-        """Count (``count(reason, n)``) and log the scans failed or given up since the last
-        call; ``meaning(reason)`` says what that does to their connections' fences."""
+        """Count (``count(reason, n)``) and log the lookups failed, given up or finding no
+        writer since the last call; ``meaning(reason)`` says what
+        that does to their connections' fences."""
+        found = {
+            self.failed: "failed",
+            self.given_up: "were given up",
+            self.not_writer: "found only processes not mapping the arena (a relay?), not the writer",
+        }
         for reason, n in self.take_failures().items():
             count(reason, n)
             self._failure_log.warn(
                 reason,
                 "%d client connections' process lookups %s; %s [%s]",
                 n,
-                "failed" if reason == self.failed else "were given up",
+                found.get(reason, reason),
                 meaning(reason),
                 reason,
                 count=n,

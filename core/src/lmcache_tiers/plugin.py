@@ -37,8 +37,10 @@ What each kind of plugin needs:
 * a front end: ``Frontend``, ``FrontendConfig``, ``FrontendContext``, ``FrontendStats``,
   ``ServerConfig``, ``StorageManager`` (what it serves), ``RouterLoop`` (a ZeroMQ ROUTER
   loop), the process at the far end of a connection ``watch_peer`` / ``PeerProcess`` and
-  a pidfd's exit ``pidfd_exited``, each connection's process looked up once, off the
-  request loop, ``ConnectionPeers`` / ``PeerWatch`` (a ``PeerScanner`` finds it),
+  a pidfd's exit ``pidfd_exited``, whether a process maps the arena ``maps_file`` /
+  ``watch_writer_socket``, each
+  connection's process looked up once, off the request loop, ``ConnectionPeers`` /
+  ``PeerWatch`` (a ``PeerScanner`` finds it),
   ``L1Loan``, ``is_loopback``, the key helpers ``NONE_HASH``, ``chunk_hashes``,
   ``kv_rank_of``, ``L1OutOfMemoryError``; the native protocol's Structs
   ``wire_protocol``, ``segment_identity`` and ``SHM_DIR`` (shared with the Python client), and
@@ -188,10 +190,12 @@ if TYPE_CHECKING:
     from lmcache_tiers.peer_process import (
         PeerProcess,
         PeerSocket,
+        maps_file,
         peer_socket,
         pidfd_exited,
         watch_peer,
         watch_peer_socket,
+        watch_writer_socket,
     )
     from lmcache_tiers.peer_scan import ConnectionPeers, PeerScanner, PeerWatch
     from lmcache_tiers.router import RouterLoop
@@ -312,8 +316,10 @@ _LAZY = {
     "PeerProcess": "lmcache_tiers.peer_process",
     "watch_peer": "lmcache_tiers.peer_process",
     "PeerSocket": "lmcache_tiers.peer_process",
+    "maps_file": "lmcache_tiers.peer_process",
     "peer_socket": "lmcache_tiers.peer_process",
     "watch_peer_socket": "lmcache_tiers.peer_process",
+    "watch_writer_socket": "lmcache_tiers.peer_process",
     "pidfd_exited": "lmcache_tiers.peer_process",
     "ConnectionPeers": "lmcache_tiers.peer_scan",
     "PeerScanner": "lmcache_tiers.peer_scan",
@@ -491,6 +497,7 @@ __all__ = [
     "key_to_name",
     "kv_rank_of",
     "log_unreadable_header",
+    "maps_file",
     "name_to_key",
     "peer_socket",
     "pidfd_exited",
@@ -505,6 +512,7 @@ __all__ = [
     "verify_payload",
     "watch_peer",
     "watch_peer_socket",
+    "watch_writer_socket",
     "wire_protocol",
 ]
 

@@ -1,7 +1,8 @@
 """A client process that prepares a one-chunk store and then never copies nor commits,
-as one killed or stalled mid-store: ``python stalled_writer.py URL INSTANCE_ID SEQUENCE
-[ROUTING_ID]`` (a routing identity of its own choosing, as a client may set).
-It prints a line once its prepare is answered with a slot, then waits for ever."""
+as one killed or stalled mid-store (it maps the segment, as a client about to copy):
+``python stalled_writer.py URL INSTANCE_ID SEQUENCE [ROUTING_ID]`` (a routing identity
+of its own choosing, as a client may set).  It prints a line once its prepare is
+answered with a slot, then waits for ever."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ def main() -> None:
         client.socket.setsockopt(zmq.ROUTING_ID, sys.argv[4].encode())
         client.socket.connect(url)
     registration = Registration(instance_id=instance_id)
-    client.register(registration)
+    shm_name = client.register(registration)["shm_name"]
+    if shm_name:
+        client.segment(shm_name)  # mapped, as a client copying into it: the writer
     key = Key(tokens_of(sequence), f"stalled-{sequence}", worker_id=0, end=CHUNK_TOKENS)
     reply = client.call("prepare_store", key.encode(), instance_id)
     slots = reply["context"]["slots"]

@@ -15,12 +15,13 @@ loopback TCP.  The pid a HELLO reports is only the fallback where the kernel can
 see, a connection through a relay process): it is the client's own word, in a pid
 namespace the server may not share, and a pid naming another process would lift the
 fence while the writer still copies.  Either way a process is watched only if it maps the
-arena segment itself (its device and inode in ``/proc/<pid>/maps``), through a pidfd
-opened before the maps are read, which a later reuse of the pid cannot fool: a relay's
-process, which copies nothing, is never taken for the writer.  A client told neither way
-keeps its fenced extents until it commits or aborts them.  Left: where the kernel cannot
-tell, a client in another pid namespace whose reported pid happens to name another
-client here mapping the arena would be released when that one exits.
+arena segment itself (core's ``watch_writer_socket`` and ``maps_file``: its device and
+inode in ``/proc/<pid>/maps``), through a pidfd opened before the maps are read, which a
+later reuse of the pid cannot fool: a relay's process, which copies nothing, is never
+taken for the writer (``peer_not_writer`` counts those connections).  A client told
+neither way keeps its fenced extents until it commits or aborts them.  Left: where the
+kernel cannot tell, a client in another pid namespace whose reported pid happens to name
+another client here mapping the arena would be released when that one exits.
 
 The kernel is asked through core's ``ConnectionPeers`` (``lmcache_tiers.peer_scan``, as the
 LMCache front end), once per connection (descriptor and socket inode), off the loop thread:
@@ -50,14 +51,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from lmcache_tiers.plugin import (
     ConnectionPeers,
     PeerProcess,
     PeerScanner,
-    PeerSocket,
     PeerWatch,
-    watch_peer_socket,
+    maps_file,
+    watch_writer_socket,
 )
 
 #: HELLO pids kept (past it, the oldest of a peer holding nothing is dropped): a peer
@@ -76,24 +78,20 @@ class WriterProcesses:
     def __init__(self, shm_device: int, shm_inode: int, holds: Callable[[bytes], bool]) -> None:
         """``holds(identity)``: whether that client holds anything (a session) now."""
         self._holds = holds
-        # " <device> <inode> " as a maps line has them between the offset and the path
-        self._place = f" {os.major(shm_device):02x}:{os.minor(shm_device):02x} {shm_inode} "
+        self._arena = (shm_device, shm_inode)
         self._pids: dict[bytes, int] = {}
         #: identity -> the watch of its HELLO pid (None: not a process mapping the arena)
         self._by_hello: dict[bytes, PeerProcess | None] = {}
-        #: what finds a connection's writer, run on the scan worker (:meth:`watch_writer`)
-        self.scan: PeerScanner = self.watch_writer
+        #: what finds a connection's writer (its processes, if one maps the arena), run on
+        #: the scan worker
+        self.scan: PeerScanner = partial(watch_writer_socket, arena=self._arena)
         self.connections = ConnectionPeers(
             lambda peer: self.scan(peer),
             failed="peer_scan_failed",
             given_up="peer_scan_given_up",
+            not_writer="peer_not_writer",
             thread_name="native-peer-scan",
         )
-
-    def watch_writer(self, peer: PeerSocket) -> PeerProcess | None:
-        """The watch of the processes at ``peer`` if one maps the arena (a scan, then
-        their maps: the scan worker's), else None."""
-        return self._mapping_the_arena(watch_peer_socket(peer))
 
     def hello(self, identity: bytes, pid: int) -> None:
         pids = self._pids
@@ -209,13 +207,8 @@ class WriterProcesses:
         the maps read are those of the processes they name), else None, closed."""
         if watch is None:
             return None
-        for pid in watch.pids:
-            try:
-                with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as maps:
-                    if any(self._place in line for line in maps):
-                        return watch
-            except OSError:
-                continue
+        if maps_file(watch.pids, *self._arena):
+            return watch
         watch.close()
         return None
 
@@ -239,7 +232,7 @@ def _same_live_process(one: PeerWatch | None, other: PeerWatch | None) -> bool:
 
 
 def _meaning(reason: str) -> str:
-    if reason == "peer_scan_failed":
+    if reason in ("peer_scan_failed", "peer_not_writer"):
         return "the pid their clients' HELLO reported stands in for the writer, where it maps the arena"
     return "their fences stay until their clients commit or abort (looked up again at the next STORE_RESERVE)"
 

@@ -33,11 +33,19 @@ it comes back under a new identity), so never copies; one that chose its identit
 reconnected in that window does get it, and its fence could be lifted at the other
 process's exit.
 
+A process found at a connection's far end is the writer only if it maps the shared-memory
+segment itself (core's ``watch_writer_socket`` checks its maps right after its scan): a
+client reaching the server through a local relay (a ZeroMQ proxy) has the relay at the
+far end, which copies nothing, and whose exit used to lift the fences while the client
+could still copy.  Such a connection is counted (``mp_peer_not_writer``) and keeps its
+stores' fences until their commit or its unregister.
+
 A connection whose process cannot be told (a remote client, one in a pid namespace not
-visible here, a failed lookup) keeps the fences of its stores until their commit or its
-unregister, as before.  So does one whose scan failed (``mp_peer_scan_failed``: the scan
-raised) or was given up (``mp_peer_scan_given_up``: more than :data:`MAX_PENDING_SCANS`
-connections waiting for one, or the server stopping); the sweep takes both from
+visible here, a failed lookup) keeps the
+fences of its stores until their commit or its unregister, as before.  So does one whose
+scan failed (``mp_peer_scan_failed``: the scan raised) or was given up
+(``mp_peer_scan_given_up``: more than :data:`MAX_PENDING_SCANS` connections waiting for
+one, or the server stopping); the sweep takes these three from
 :meth:`ConnectionProcesses.count_failures` to count and log them.  A given-up connection is
 looked up again at its next store.  Connections of one live process share its watch (one
 pidfd).
@@ -48,7 +56,15 @@ server's loop thread only; the worker touches only the watches it arms and its o
 
 from __future__ import annotations
 
-from lmcache_tiers.plugin import ConnectionPeers, PeerScanner, PeerWatch, watch_peer_socket
+from functools import partial
+
+from lmcache_tiers.plugin import (
+    ConnectionPeers,
+    PeerScanner,
+    PeerWatch,
+    watch_peer_socket,
+    watch_writer_socket,
+)
 
 __all__ = ["MAX_CONNECTIONS", "MAX_PENDING_SCANS", "ConnectionProcesses", "Scanner", "WriterWatch"]
 
@@ -67,13 +83,19 @@ WriterWatch = PeerWatch
 
 class ConnectionProcesses(ConnectionPeers):
     """Each connection's :class:`WriterWatch`, its failed and given-up lookups counted as
-    ``mp_peer_scan_failed`` / ``mp_peer_scan_given_up``."""
+    ``mp_peer_scan_failed`` / ``mp_peer_scan_given_up``, those naming no writer as
+    ``mp_peer_not_writer``."""
 
-    def __init__(self, scan: Scanner = watch_peer_socket) -> None:
+    def __init__(self, scan: Scanner | None = None, *, arena: tuple[int, int] | None = None) -> None:
+        """``arena``: the (device, inode) of the shared-memory segment a writer maps (None:
+        no segment, so no process is checked for it); ``scan``: another scanner (tests)."""
+        if scan is None:
+            scan = watch_peer_socket if arena is None else partial(watch_writer_socket, arena=arena)
         super().__init__(
             scan,
             failed="mp_peer_scan_failed",
             given_up="mp_peer_scan_given_up",
+            not_writer="mp_peer_not_writer",
             max_pending=MAX_PENDING_SCANS,
             max_connections=MAX_CONNECTIONS,
             thread_name="mp-peer-scan",

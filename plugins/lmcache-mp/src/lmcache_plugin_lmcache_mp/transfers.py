@@ -42,6 +42,7 @@ not committed yet (its commit would not say which copy ended).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -85,7 +86,7 @@ class Transfers:
         self.fenced_bytes_bound = max(1, int(self.storage.l1.capacity_bytes) // FENCED_SHARE_OF_L1)
         self._fence_refusals = BurstLog(logger, "mp_store_refused_fenced")
         #: the process of each connection, whose exit lifts the fences of its stores
-        self.peers = ConnectionProcesses()
+        self.peers = ConnectionProcesses(arena=self._arena())
         #: the descriptor the request being handled came in on (``zmq.SRCFD``; -1: not
         #: known), set by the loop around a prepare_store (loop thread only)
         self.source_fd = -1
@@ -720,6 +721,25 @@ class Transfers:
         self._release_fences_of_exited_writers()
         self._count_peer_scan_failures()
 
+    def _arena(self) -> tuple[int, int] | None:
+        """The (device, inode) of the shared-memory segment, which a store's writer maps
+        (None: stores are pickled, nothing is mapped).  One that cannot be read names no
+        file: then no process is taken for a writer, and fences wait for commits."""
+        if self.shared.shm is None:
+            return None
+        path = f"/dev/shm/{self.shared.shm[0]}"  # what LMCache clients open (checked at start)
+        try:
+            info = os.stat(path)
+        except OSError as exc:
+            logger.error(
+                "the shared-memory segment %s cannot be read (%s): no client process is "
+                "taken for a store's writer, so fences are lifted only by commits and unregisters",
+                path,
+                exc,
+            )
+            return (0, 0)
+        return info.st_dev, info.st_ino
+
     def _count_peer_scan_failures(self) -> None:
         """Count and log the connections whose process lookup failed or was given up
         (``peers.py``)."""
@@ -802,8 +822,8 @@ class Transfers:
 
 
 def _scan_failure_meaning(reason: str) -> str:
-    """What a failed or given-up lookup does to its connection's stores: either way the
-    writer is not known, and only what the client itself says lifts their fences."""
+    """What a lookup that failed, was given up or named no writer does to its connection's
+    stores: the writer is not known, and only what the client itself says lifts their fences."""
     return "their stores' fences are lifted only by their commit or unregister"
 
 
