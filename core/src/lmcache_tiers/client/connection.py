@@ -505,10 +505,18 @@ class Connection:
         del self._outstanding[req_id]
         self._last_answered_id = req_id  # sent after every request before it
         if reply.code != _OK:
-            raise ServerError(error_code(reply.code), reply.message)
+            raise self._refusal(reply)
         if not isinstance(reply, expect):
             raise ProtocolError(f"expected {expect.__name__} but got {type(reply).__name__}")
         return reply
+
+    def _refusal(self, reply: p._Reply) -> ServerError:
+        """The error of a reply refusing its request (caller holds the lock).  The key list
+        kept encoded is forgotten: keys equal by value to well-formed ones may encode to
+        what the server refuses (a rank of ``True`` or ``1.0`` equals ``1``), and would
+        otherwise go out again for the next, well-formed list equal to them."""
+        self._last_keys = None
+        return ServerError(error_code(reply.code), reply.message)
 
     def _early_or_settle(self, frames: list[Any], reply: p.Reply | None = None) -> None:
         """A message that is not the reply awaited: kept for the outstanding request it
@@ -650,7 +658,7 @@ class Connection:
         self._last_answered_id = max(self._last_answered_id, req_id)
         reply, frames = arrived
         if reply.code != _OK:
-            raise ServerError(error_code(reply.code), reply.message)
+            raise self._refusal(reply)
         if not isinstance(reply, expect):
             raise ProtocolError(f"expected {expect.__name__} but got {type(reply).__name__}")
         return reply, frames[1:]
