@@ -29,7 +29,6 @@ import math
 import os
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -48,6 +47,7 @@ from lmcache_tiers.endpoints import check_server_url
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.wire import protocol as p
+from lmcache_tiers.wire.after_fork import renew_locks_after_fork
 
 AUTH_TOKEN_ENV = "LMCACHE_TIERS_AUTH_TOKEN"
 
@@ -101,24 +101,6 @@ _REMEMBERED = 1024
 
 
 _KEY_TYPES = frozenset((ObjectKey,))
-
-#: every connection of this process, so that a forked child can give each a lock of its own
-_CONNECTIONS: weakref.WeakSet[Connection] = weakref.WeakSet()
-
-
-def _reset_after_fork() -> None:
-    # A lock another thread held when the process forked stays held in the child, where
-    # that thread does not exist: a call there would wait forever for it instead of being
-    # refused (see ``_header``), and so would ``close``.  Every connection of the parent is
-    # marked as inherited here, once, rather than by comparing ``os.getpid()`` on every
-    # request: a system call, a noticeable share of a LOOKUP.
-    for connection in list(_CONNECTIONS):
-        connection._lock = threading.RLock()
-        connection._inherited = True
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def _remember(table: dict[_K, _V], key: _K, value: _V) -> None:
@@ -205,9 +187,9 @@ class Connection:
             raise ClientError(f"auth token and client name are limited to {p.MAX_TOKEN_LEN} characters")
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
-        # set in a forked child, where the socket is the parent's (see _reset_after_fork)
+        # set in a forked child, where the socket is the parent's (see _after_fork)
         self._inherited = False
-        _CONNECTIONS.add(self)
+        renew_locks_after_fork(self)
         self._name = name
         self._closed = False
         # set once the connection to the server dropped since the last HELLO (see the module)
@@ -291,6 +273,15 @@ class Connection:
                         self._socket.disable_monitor()
                     self._monitor.close(0)
                 self._socket.close(0)
+
+    def _after_fork(self) -> None:
+        # In a forked child.  A lock another thread held when the process forked stays held
+        # in the child, where that thread does not exist: a call there would wait forever
+        # for it instead of being refused (see ``_header``), and so would ``close``.  The
+        # connection is marked as inherited here, once, rather than by comparing
+        # ``os.getpid()`` on every request: a system call, a noticeable share of a LOOKUP.
+        self._lock = threading.RLock()
+        self._inherited = True
 
     def _call_seconds(self, timeout: float | None) -> float:
         """The bound of a call given ``timeout`` (None: the client's), checked as the
