@@ -18,6 +18,7 @@ import pytest
 
 from lmcache_tiers.peer_process import (
     PeerProcess,
+    PeerSocket,
     maps_file,
     peer_pids,
     peer_socket,
@@ -213,3 +214,10 @@ def test_maps_file_names_only_a_process_mapping_the_file(tmp_path: Path) -> None
             if stream is not None:
                 stream.close()
     assert not maps_file((mapper.pid,), info.st_dev, info.st_ino)  # gone: not known to map it
+
+
+def test_a_tcp_peer_off_loopback_is_remote() -> None:
+    assert PeerSocket(far=("10.1.2.3", 5), near=("10.1.2.4", 6)).remote
+    assert not PeerSocket(far=("127.0.0.1", 5), near=("127.0.0.1", 6)).remote
+    assert not PeerSocket(far=("::ffff:127.0.0.1", 5, 0, 0), near=("::1", 6, 0, 0)).remote
+    assert not PeerSocket(pid=7).remote and not PeerSocket(foreign=True).remote

@@ -277,3 +277,30 @@ def test_a_process_not_mapping_the_arena_is_not_the_writer(
         writer.wait()
         if writer.stdout is not None:
             writer.stdout.close()
+
+
+def test_a_client_in_a_foreign_pid_namespace_is_counted_once_and_never_scanned(
+    clients: Any, peers: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``SO_PEERCRED`` names pid 0 for a client whose process has no pid in the server's
+    namespace (injected here: the end-to-end case is the native front end's
+    test_writer_foreign_namespace.py, under ``unshare``)."""
+    import lmcache_tiers.peer_scan as peer_scan
+
+    scanned: list[PeerSocket] = []
+
+    def scanner(peer: PeerSocket) -> PeerProcess | None:
+        scanned.append(peer)
+        return None
+
+    monkeypatch.setattr(peer_scan, "peer_socket", lambda fd: PeerSocket(foreign=True))
+    connections = peers(scanner, foreign="test_foreign")
+    _, accepted = clients()
+    watch = connections.watch(accepted.fileno())
+    assert watch is not None and watch.armed.is_set() and watch.foreign
+    assert watch.process is None and not watch.exited()
+    assert connections.watch(accepted.fileno()) is watch  # one count per connection
+    counted: Counter[str] = Counter()
+    connections.count_failures(lambda reason, n: counted.update({reason: n}), lambda reason: "kept")
+    assert counted == {"test_foreign": 1}
+    assert scanned == []

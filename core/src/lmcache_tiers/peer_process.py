@@ -6,7 +6,10 @@ copies nothing any more, so its fences can be lifted; for that the server must k
 client's process, which a protocol may not carry.  The kernel knows it:
 
 * ``ipc://`` (a Unix socket): ``SO_PEERCRED`` gives the pid of the process that
-  connected, translated into the server's pid namespace (0 when it has no pid there);
+  connected, translated into the server's pid namespace; 0 when it has no pid there (a
+  client in a pid namespace the server cannot see): :attr:`PeerSocket.foreign`, whose
+  process nothing here can name -- a pid the client reports is of its own namespace and
+  may name an unrelated process here, so a front end must not watch one for it;
 * ``tcp://`` over loopback: the client's socket is the one whose local address is the
   connection's far end in ``/proc/net/tcp{,6}``; the processes other than the server
   holding its inode in ``/proc/*/fd`` are its owners (a scan, about 1.8 ms per thousand
@@ -69,11 +72,29 @@ class PeerSocket:
     pid: int = 0
     far: tuple[object, ...] = ()
     near: tuple[object, ...] = ()
+    #: SO_PEERCRED named no pid: the client is in a pid namespace this server cannot see
+    foreign: bool = False
+
+    @property
+    def remote(self) -> bool:
+        """A TCP peer not on loopback: another host's process (or one behind another
+        network namespace), which nothing here can name."""
+        if not self.far:
+            return False
+        try:
+            address = ipaddress.ip_address(str(self.far[0]))
+        except ValueError:
+            return True
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        return not address.is_loopback
 
 
 def peer_socket(fd: int) -> PeerSocket | None:
     """The far end of the connected socket ``fd``, read at once (no /proc scan); None
-    when it cannot be told (see the module)."""
+    when it cannot be told (see the module).  A Unix peer with no pid in this namespace
+    is a :attr:`PeerSocket.foreign` one, not None: a front end must tell it apart from a
+    connection it knows nothing of."""
     if fd < 0:
         return None
     try:
@@ -90,8 +111,9 @@ def peer_socket(fd: int) -> PeerSocket | None:
     with sock:
         try:
             if sock.family == socket.AF_UNIX:
+                sock.getpeername()  # raises unless connected: an unconnected one names no peer
                 pid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))[0]
-                return PeerSocket(pid=pid) if pid > 0 else None
+                return PeerSocket(pid=pid) if pid > 0 else PeerSocket(foreign=True)
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 return PeerSocket(far=tuple(sock.getpeername()), near=tuple(sock.getsockname()))
         except OSError:

@@ -21,6 +21,11 @@ thread ran it.  :class:`ConnectionPeers` is what both front ends use for it:
   is given up (its ``given_up`` reason): pending for ever, so its fences stay, and looked
   up again at its next request.  :meth:`ConnectionPeers.count_failures` counts and logs them;
 * connections of one live process share its watch (one pidfd per process);
+* a connection whose client is in a pid namespace this server cannot see
+  (:attr:`~lmcache_tiers.peer_process.PeerSocket.foreign`) is armed with none at once, no
+  scan, and counted (the front end's ``foreign`` reason) once per connection: nothing here
+  names its process, so nothing but the client's own word (commit, abort, unregister) or
+  the stop lifts its fences;
 * a scan that found processes not mapping the arena
   (:func:`~lmcache_tiers.peer_process.watch_writer_socket`: a relay between the client and
   the server, which copies nothing) names no writer: the watch is armed with none
@@ -77,6 +82,11 @@ class PeerWatch:
         self.armed.set()
 
     @property
+    def foreign(self) -> bool:
+        """The client is in a pid namespace this server cannot see."""
+        return self.peer.foreign
+
+    @property
     def process(self) -> PeerProcess | None:
         """The process watched (None while pending, or when it cannot be told)."""
         return self._watch
@@ -95,12 +105,13 @@ class ConnectionPeers:
         *,
         failed: str = "peer_scan_failed",
         given_up: str = "peer_scan_given_up",
+        foreign: str = "peer_foreign_namespace",
         not_writer: str = "peer_not_writer",
         max_pending: int = 1024,
         max_connections: int = 4096,
         thread_name: str = "peer-scan",
     ) -> None:
-        """``failed`` / ``given_up`` / ``not_writer``: the reasons a front end
+        """``failed`` / ``given_up`` / ``foreign`` / ``not_writer``: the reasons a front end
         counts them under (see the module);
         ``max_pending``: connections waiting for their scan past which a new one is given
         up (a reconnect storm must not grow the queue without bound); ``max_connections``:
@@ -108,7 +119,7 @@ class ConnectionPeers:
         comes back: whoever holds its watch keeps it)."""
         self._scan = scan
         self.failed, self.given_up = failed, given_up
-        self.not_writer = not_writer
+        self.foreign, self.not_writer = foreign, not_writer
         self._max_connections = max_connections
         self._thread_name = thread_name
         #: descriptor -> (inode of the server's socket, its connection's watch), loop thread.
@@ -149,7 +160,12 @@ class ConnectionPeers:
         if peer is None:
             return None  # not a socket whose far end the kernel names: nothing to scan
         watch = PeerWatch(peer)
-        if not self._submit(watch):
+        if peer.foreign:
+            # Nothing to scan for: no pid here names it.  Remembered, so counted (and
+            # logged) once per connection.
+            watch.arm(None)
+            self._failures.append(self.foreign)
+        elif not self._submit(watch):
             return watch  # given up (counted): pending for ever, looked up again next time
         self._of[fd] = (inode, watch)
         if len(self._of) > self._max_connections:
@@ -218,12 +234,13 @@ class ConnectionPeers:
         return taken
 
     def count_failures(self, count: Callable[[str, int], None], meaning: Callable[[str], str]) -> None:
-        """Count (``count(reason, n)``) and log the lookups failed, given up or finding no
-        writer since the last call; ``meaning(reason)`` says what
+        """Count (``count(reason, n)``) and log the lookups failed, given up, of a foreign
+        namespace or finding no writer since the last call; ``meaning(reason)`` says what
         that does to their connections' fences."""
         found = {
             self.failed: "failed",
             self.given_up: "were given up",
+            self.foreign: "found a client in a pid namespace this server cannot see",
             self.not_writer: "found only processes not mapping the arena (a relay?), not the writer",
         }
         for reason, n in self.take_failures().items():

@@ -10,18 +10,30 @@ The process is asked of the kernel first, as the LMCache front end does
 STORE_RESERVE came in on (``zmq.SRCFD``, read while the request is handled), through
 ``SO_PEERCRED`` over ``ipc://`` -- translated into the server's pid namespace, so a client
 in a container's namespace is seen too -- or the owner of the client's socket over
-loopback TCP.  The pid a HELLO reports is only the fallback where the kernel cannot tell
-(a remote peer, a client in the server's own process over TCP, a process the scan cannot
-see, a connection through a relay process): it is the client's own word, in a pid
-namespace the server may not share, and a pid naming another process would lift the
-fence while the writer still copies.  Either way a process is watched only if it maps the
-arena segment itself (core's ``watch_writer_socket`` and ``maps_file``: its device and
-inode in ``/proc/<pid>/maps``), through a pidfd opened before the maps are read, which a
-later reuse of the pid cannot fool: a relay's process, which copies nothing, is never
-taken for the writer (``peer_not_writer`` counts those connections).  A client told
-neither way keeps its fenced extents until it commits or aborts them.  Left: where the
-kernel cannot tell, a client in another pid namespace whose reported pid happens to name
-another client here mapping the arena would be released when that one exits.
+loopback TCP.  The pid a HELLO reports is only the fallback where the kernel names no
+writer for a local client (a client in the server's own process over TCP, a process the
+scan cannot see, a connection through a relay process, a failed scan): it is the client's
+own word, in a pid namespace the server may not share, and a pid naming another process
+would lift the fence while the writer still copies.  Either way a process is watched only
+if it maps the arena segment itself (core's ``watch_writer_socket`` and ``maps_file``:
+its device and inode in ``/proc/<pid>/maps``), through a pidfd opened before the maps are
+read, which a later reuse of the pid cannot fool: a relay's process, which copies
+nothing, is never taken for the writer (``peer_not_writer`` counts those connections).
+
+The HELLO pid is never asked where it cannot be the writer's in this namespace, and the
+client's fences then stay until it commits or aborts them, or the server stops:
+
+* ``SO_PEERCRED`` named pid 0: the client is in a pid namespace the server cannot see, so
+  its HELLO pid is of that namespace and may name any process here (counted once per
+  connection, ``peer_foreign_namespace``, and logged);
+* a TCP peer not on loopback: another host's process cannot map the arena, so it copies
+  into no extent of it, and one on this host behind another network namespace (a
+  container's) is most likely in another pid namespace too.
+
+A client told neither way keeps its fenced extents until it commits or aborts them.
+Left: where the HELLO pid stands in, a client in another pid namespace reaching the
+server through a relay, whose reported pid happens to name another client here mapping
+the arena, would be released when that one exits.
 
 The kernel is asked through core's ``ConnectionPeers`` (``lmcache_tiers.peer_scan``, as the
 LMCache front end), once per connection (descriptor and socket inode), off the loop thread:
@@ -89,6 +101,7 @@ class WriterProcesses:
             lambda peer: self.scan(peer),
             failed="peer_scan_failed",
             given_up="peer_scan_given_up",
+            foreign="peer_foreign_namespace",
             not_writer="peer_not_writer",
             thread_name="native-peer-scan",
         )
@@ -152,6 +165,8 @@ class WriterProcesses:
             return False
         process = current.process if current is not None else None
         told = None
+        if process is None and not _hello_may_stand_in(current):
+            return False  # nothing here names it: not tied to another identity
         if process is None:
             pid = self._pids.get(identity, 0)
             if pid <= 0 or pid != self._pids.get(earlier):
@@ -182,9 +197,12 @@ class WriterProcesses:
         return True
 
     def _process_of(self, identity: bytes, writer: PeerWatch | None) -> PeerProcess | None:
-        """The process a settled ``writer`` names, else the HELLO pid's of ``identity``."""
+        """The process a settled ``writer`` names, else the HELLO pid's of ``identity``
+        where that may be the writer's."""
         process = writer.process if writer is not None else None
-        return process if process is not None else self._hello_watch(identity)
+        if process is not None or not _hello_may_stand_in(writer):
+            return process
+        return self._hello_watch(identity)
 
     def forget(self, identity: bytes) -> None:
         """The client holds no reservation any more: stop watching its HELLO pid."""
@@ -231,7 +249,16 @@ def _same_live_process(one: PeerWatch | None, other: PeerWatch | None) -> bool:
     return mine is not None and theirs is not None and mine.pids == theirs.pids and not mine.exited()
 
 
+def _hello_may_stand_in(watch: PeerWatch | None) -> bool:
+    """Whether a client's HELLO pid may name its process in this namespace: not where the
+    kernel said the client is in a pid namespace not visible here, nor for a peer on
+    another host or network namespace (see the module)."""
+    return watch is None or not (watch.foreign or watch.peer.remote)
+
+
 def _meaning(reason: str) -> str:
+    if reason == "peer_foreign_namespace":
+        return "their HELLO pids are not watched: their fences stay until their clients commit or abort"
     if reason in ("peer_scan_failed", "peer_not_writer"):
         return "the pid their clients' HELLO reported stands in for the writer, where it maps the arena"
     return "their fences stay until their clients commit or abort (looked up again at the next STORE_RESERVE)"

@@ -38,14 +38,15 @@ segment itself (core's ``watch_writer_socket`` checks its maps right after its s
 client reaching the server through a local relay (a ZeroMQ proxy) has the relay at the
 far end, which copies nothing, and whose exit used to lift the fences while the client
 could still copy.  Such a connection is counted (``mp_peer_not_writer``) and keeps its
-stores' fences until their commit or its unregister.
+stores' fences until their commit or its unregister.  So does a client in a pid namespace
+this server cannot see (``SO_PEERCRED`` names pid 0: ``mp_peer_foreign_namespace``,
+counted once per connection).
 
-A connection whose process cannot be told (a remote client, one in a pid namespace not
-visible here, a failed lookup) keeps the
+A connection whose process cannot be told (a remote client, a failed lookup) keeps the
 fences of its stores until their commit or its unregister, as before.  So does one whose
 scan failed (``mp_peer_scan_failed``: the scan raised) or was given up
 (``mp_peer_scan_given_up``: more than :data:`MAX_PENDING_SCANS` connections waiting for
-one, or the server stopping); the sweep takes these three from
+one, or the server stopping); the sweep takes these four from
 :meth:`ConnectionProcesses.count_failures` to count and log them.  A given-up connection is
 looked up again at its next store.  Connections of one live process share its watch (one
 pidfd).
@@ -84,7 +85,7 @@ WriterWatch = PeerWatch
 class ConnectionProcesses(ConnectionPeers):
     """Each connection's :class:`WriterWatch`, its failed and given-up lookups counted as
     ``mp_peer_scan_failed`` / ``mp_peer_scan_given_up``, those naming no writer as
-    ``mp_peer_not_writer``."""
+    ``mp_peer_foreign_namespace`` / ``mp_peer_not_writer``."""
 
     def __init__(self, scan: Scanner | None = None, *, arena: tuple[int, int] | None = None) -> None:
         """``arena``: the (device, inode) of the shared-memory segment a writer maps (None:
@@ -95,6 +96,7 @@ class ConnectionProcesses(ConnectionPeers):
             scan,
             failed="mp_peer_scan_failed",
             given_up="mp_peer_scan_given_up",
+            foreign="mp_peer_foreign_namespace",
             not_writer="mp_peer_not_writer",
             max_pending=MAX_PENDING_SCANS,
             max_connections=MAX_CONNECTIONS,
