@@ -118,3 +118,21 @@ def test_ctrl_c_while_it_lingers_leaves_at_once_with_the_code_of_the_stop(tmp_pa
         "WARNING:lmcache_tiers.server:SIGINT while waiting for 2 threads still in calls after the stop"
         " (fifo-read-1, fifo-read-2): exiting without waiting for them"
     ], err
+
+
+def test_the_ctrl_c_handler_is_given_back_after_a_ctrl_c_with_nothing_left_stuck() -> None:
+    """A Ctrl-C in the linger leaves SIG_DFL behind (a second one ends a process leaving
+    past stuck threads at once); when no thread was stuck after all, the process exits as
+    it would, and SIGINT must raise KeyboardInterrupt again, not kill it by the signal."""
+    from lmcache_tiers.server.leave import _CtrlCWhileLingering
+
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        ctrl_c = _CtrlCWhileLingering.take()
+        assert ctrl_c is not None
+        ctrl_c(signal.SIGINT, None)  # the Ctrl-C, as the signal delivers it
+        ctrl_c.give_back()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -54,7 +54,11 @@ class _CtrlCWhileLingering:
         return handler
 
     def give_back(self) -> None:
-        if signal.getsignal(signal.SIGINT) is self:
+        """Raise KeyboardInterrupt at a Ctrl-C again.  Also once a Ctrl-C came (the handler
+        then left SIG_DFL) and no thread was stuck after all: the process goes on to exit
+        as it would, and a Ctrl-C in that exit must not kill it by the signal."""
+        current = signal.getsignal(signal.SIGINT)
+        if current is self or (self.came and current == signal.SIG_DFL):
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
@@ -63,22 +67,18 @@ def leave_past_stuck_threads(code: int, linger_s: float = LINGER_S) -> None:
     else log them and end the process now with ``code``.  A Ctrl-C meanwhile ends the
     wait: the process leaves at once, with ``code`` all the same (the stop's outcome)."""
     ctrl_c = _CtrlCWhileLingering.take()
-    deadline = time.monotonic() + linger_s
-    stuck = []
-    for thread in threading.enumerate():
-        if thread is threading.current_thread() or thread.daemon:
-            continue
-        while thread.is_alive() and not (ctrl_c is not None and ctrl_c.came):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            thread.join(min(left, _CTRL_C_CHECK_S) if ctrl_c is not None else left)
-        if thread.is_alive():
-            stuck.append(thread.name)
+    try:
+        stuck = _still_running_after(linger_s, ctrl_c)
+    except BaseException:
+        if ctrl_c is not None:
+            ctrl_c.give_back()
+        raise
     if not stuck:
         if ctrl_c is not None:
             ctrl_c.give_back()
         return
+    # Kept while leaving: a Ctrl-C raised in the log or flush below would unwind past the
+    # exit into Python's, which joins the stuck threads.
     if ctrl_c is not None and ctrl_c.came:
         what = "SIGINT while waiting for %d threads still in calls after the stop (%s)"
     else:
@@ -95,3 +95,21 @@ def leave_past_stuck_threads(code: int, linger_s: float = LINGER_S) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def _still_running_after(linger_s: float, ctrl_c: _CtrlCWhileLingering | None) -> list[str]:
+    """The names of the other non-daemon threads still running once each got its share of
+    ``linger_s`` to end, or once a Ctrl-C came (``ctrl_c``)."""
+    deadline = time.monotonic() + linger_s
+    stuck = []
+    for thread in threading.enumerate():
+        if thread is threading.current_thread() or thread.daemon:
+            continue
+        while thread.is_alive() and not (ctrl_c is not None and ctrl_c.came):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            thread.join(min(left, _CTRL_C_CHECK_S) if ctrl_c is not None else left)
+        if thread.is_alive():
+            stuck.append(thread.name)
+    return stuck
