@@ -7,6 +7,7 @@ server side's descriptor names them, and a pidfd tells when they have exited.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import socket
 import subprocess
@@ -214,6 +215,29 @@ def test_maps_file_names_only_a_process_mapping_the_file(tmp_path: Path) -> None
             if stream is not None:
                 stream.close()
     assert not maps_file((mapper.pid,), info.st_dev, info.st_ino)  # gone: not known to map it
+
+
+def test_maps_file_is_not_fooled_by_a_file_named_after_the_device_and_inode(tmp_path: Path) -> None:
+    """The maps line's path is any name, spaces kept: a process mapping a file whose name
+    holds " <device> <inode> " of the arena does not map the arena."""
+    arena = tmp_path / "arena"
+    arena.write_bytes(bytes(4096))
+    info = os.stat(arena)
+    decoy = tmp_path / f"x {os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x} {info.st_ino} y"
+    decoy.write_bytes(bytes(4096))
+    with open(decoy, "r+b") as file, mmap.mmap(file.fileno(), 4096):
+        assert not maps_file((os.getpid(),), info.st_dev, info.st_ino)
+
+
+def test_maps_file_names_a_process_mapping_the_file_after_its_unlink(tmp_path: Path) -> None:
+    """A segment unlinked while mapped shows its path "(deleted)": its device and inode
+    still name it."""
+    arena = tmp_path / "arena"
+    arena.write_bytes(bytes(4096))
+    info = os.stat(arena)
+    with open(arena, "r+b") as file, mmap.mmap(file.fileno(), 4096):
+        arena.unlink()
+        assert maps_file((os.getpid(),), info.st_dev, info.st_ino)
 
 
 def test_a_tcp_peer_off_loopback_is_remote() -> None:

@@ -225,12 +225,14 @@ def maps_file(pids: tuple[int, ...], device: int, inode: int) -> bool:
     Inode 0 names no file (anonymous maps show ``00:00 0``): no process maps it."""
     if inode == 0:
         return False
-    # " <device> <inode> " as a maps line has them between the offset and the path
-    place = f" {os.major(device):02x}:{os.minor(device):02x} {inode} "
+    # A maps line: address, perms, offset, device, inode, then the path.  Compared as
+    # fields: the path is any name (spaces kept), and a file named " <device> <inode> "
+    # is not the file of that device and inode.
+    place = (f"{os.major(device):02x}:{os.minor(device):02x}", str(inode))
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as maps:
-                if any(place in line for line in maps):
+                if any(tuple(line.split(maxsplit=5)[3:5]) == place for line in maps):
                     return True
         except OSError:
             continue  # exited, or not ours to read: not known to map it
