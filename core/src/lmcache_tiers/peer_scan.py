@@ -241,7 +241,10 @@ class ConnectionPeers:
             self.failed: "failed",
             self.given_up: "were given up",
             self.foreign: "found a client in a pid namespace this server cannot see",
-            self.not_writer: "found only processes not mapping the arena (a relay?), not the writer",
+            self.not_writer: (
+                "found only processes not mapping the arena (a relay?) or whose maps may "
+                "not be read (another user's), not the writer"
+            ),
         }
         for reason, n in self.take_failures().items():
             count(reason, n)
