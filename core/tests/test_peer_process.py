@@ -56,7 +56,20 @@ def stop(process: subprocess.Popen[str]) -> None:
     process.stdout.close()
 
 
-@pytest.fixture(params=["unix", "tcp4", "tcp6"])
+def host_address() -> str:
+    """An IPv4 address of this host off loopback (the test is skipped where it has none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # no packet is sent: it only picks a route
+        except OSError:
+            pytest.skip("this host has no route off loopback")
+        address = str(probe.getsockname()[0])
+    if address.startswith("127."):
+        pytest.skip("this host has no address off loopback")
+    return address
+
+
+@pytest.fixture(params=["unix", "tcp4", "tcp6", "tcp-host-address"])
 def accepted(
     request: pytest.FixtureRequest, tmp_path: Path
 ) -> Iterator[tuple[socket.socket, subprocess.Popen[str]]]:
@@ -65,10 +78,12 @@ def accepted(
         listener = socket.socket(socket.AF_UNIX)
         listener.bind(str(tmp_path / "s"))
         where = str(tmp_path / "s")
-    elif request.param == "tcp4":
+    elif request.param in ("tcp4", "tcp-host-address"):
+        # the host's own address: a client here connecting to it rather than 127.0.0.1
+        host = "127.0.0.1" if request.param == "tcp4" else host_address()
         listener = socket.socket(socket.AF_INET)
-        listener.bind(("127.0.0.1", 0))
-        where = f"127.0.0.1:{listener.getsockname()[1]}"
+        listener.bind((host, 0))
+        where = f"{host}:{listener.getsockname()[1]}"
     else:
         listener = socket.socket(socket.AF_INET6)
         listener.bind(("::1", 0))
@@ -245,3 +260,6 @@ def test_a_tcp_peer_off_loopback_is_remote() -> None:
     assert not PeerSocket(far=("127.0.0.1", 5), near=("127.0.0.1", 6)).remote
     assert not PeerSocket(far=("::ffff:127.0.0.1", 5, 0, 0), near=("::1", 6, 0, 0)).remote
     assert not PeerSocket(pid=7).remote and not PeerSocket(foreign=True).remote
+    # a client of this host connecting to the host's own address: the kernel routes it
+    # locally, from that address, and its socket is in this namespace's /proc/net/tcp
+    assert not PeerSocket(far=("10.1.2.3", 5), near=("10.1.2.3", 6)).remote

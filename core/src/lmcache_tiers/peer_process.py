@@ -10,7 +10,8 @@ client's process, which a protocol may not carry.  The kernel knows it:
   client in a pid namespace the server cannot see): :attr:`PeerSocket.foreign`, whose
   process nothing here can name -- a pid the client reports is of its own namespace and
   may name an unrelated process here, so a front end must not watch one for it;
-* ``tcp://`` over loopback: the client's socket is the one whose local address is the
+* ``tcp://`` over loopback, or to the server's own address from this host (far end and
+  near end the same address): the client's socket is the one whose local address is the
   connection's far end in ``/proc/net/tcp{,6}``; the processes other than the server
   holding its inode in ``/proc/*/fd`` are its owners (a scan, about 1.8 ms per thousand
   descriptors open on the host, so once per connection);
@@ -77,17 +78,35 @@ class PeerSocket:
 
     @property
     def remote(self) -> bool:
-        """A TCP peer not on loopback: another host's process (or one behind another
-        network namespace), which nothing here can name."""
+        """A TCP peer not on this host's network stack: another host's process (or one
+        behind another network namespace), which nothing here can name.  A peer on
+        loopback, or at the server's own address (a client here connecting to the host's
+        address rather than 127.0.0.1), is not."""
         if not self.far:
             return False
         try:
-            address = ipaddress.ip_address(str(self.far[0]))
+            return not _same_stack(_ip(self.far), _ip(self.near))
         except ValueError:
             return True
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            address = address.ipv4_mapped
-        return not address.is_loopback
+
+
+def _ip(end: tuple[object, ...]) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """A socket address's IP, a v4-mapped IPv6 one as its IPv4 address."""
+    address = ipaddress.ip_address(str(end[0]))
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def _same_stack(
+    far: ipaddress.IPv4Address | ipaddress.IPv6Address, near: ipaddress.IPv4Address | ipaddress.IPv6Address
+) -> bool:
+    """Whether a connection's far end is of this network namespace: on loopback, or at the
+    server's own address (the kernel routes a connection to one's own address locally,
+    from that address).  Either way the client's socket is in this namespace's
+    ``/proc/net/tcp``, which a scan then looks for by both addresses, so a far end taken
+    for local wrongly finds no socket, never another's."""
+    return far.is_loopback or far == near
 
 
 def peer_socket(fd: int) -> PeerSocket | None:
@@ -142,12 +161,8 @@ def peer_pids(fd: int) -> tuple[int, ...]:
 
 
 def _loopback_owners(far: tuple[object, ...], near: tuple[object, ...]) -> tuple[int, ...]:
-    far_ip, near_ip = ipaddress.ip_address(str(far[0])), ipaddress.ip_address(str(near[0]))
-    if isinstance(far_ip, ipaddress.IPv6Address) and far_ip.ipv4_mapped is not None:
-        far_ip = far_ip.ipv4_mapped
-    if isinstance(near_ip, ipaddress.IPv6Address) and near_ip.ipv4_mapped is not None:
-        near_ip = near_ip.ipv4_mapped
-    if not far_ip.is_loopback:
+    far_ip, near_ip = _ip(far), _ip(near)
+    if not _same_stack(far_ip, near_ip):
         return ()  # another host's process: nothing here names it
     if not _proc_is_of_this_pid_namespace():
         return ()

@@ -26,7 +26,8 @@ client's fences then stay until it commits or aborts them, or the server stops:
 * ``SO_PEERCRED`` named pid 0: the client is in a pid namespace the server cannot see, so
   its HELLO pid is of that namespace and may name any process here (counted once per
   connection, ``peer_foreign_namespace``, and logged);
-* a TCP peer not on loopback: another host's process cannot map the arena, so it copies
+* a TCP peer off this host (neither on loopback nor at the server's own address: core's
+  ``PeerSocket.remote``): another host's process cannot map the arena, so it copies
   into no extent of it, and one on this host behind another network namespace (a
   container's) is most likely in another pid namespace too.
 
