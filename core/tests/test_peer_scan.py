@@ -304,3 +304,28 @@ def test_a_client_in_a_foreign_pid_namespace_is_counted_once_and_never_scanned(
     connections.count_failures(lambda reason, n: counted.update({reason: n}), lambda reason: "kept")
     assert counted == {"test_foreign": 1}
     assert scanned == []
+
+
+def test_a_lookup_settled_by_both_threads_at_once_is_counted_once(clients: Any, peers: Any) -> None:
+    """scan_now and the worker may both scan a pending connection; only the one arming its
+    watch counts what it found (here: no writer), or one connection counted twice."""
+    both_scanning = threading.Barrier(2, timeout=GATE_S)
+
+    def relay_scanner(peer: PeerSocket) -> PeerProcess | None:
+        both_scanning.wait()  # each thread is past its armed check before either arms
+        found = PeerProcess((os.getpid(),), [])
+        found.writer = False
+        return found
+
+    connections = peers(relay_scanner, not_writer="test_not_writer")
+    _, accepted = clients()
+    watch = connections.watch(accepted.fileno())  # the worker scans it
+    assert watch is not None
+    connections.scan_now(watch)  # and so does this thread, meeting it in the scanner
+    assert watch.armed.is_set() and watch.not_writer
+    connections.close()
+    worker = connections._worker
+    assert worker is not None
+    worker.join(GATE_S)  # the worker's settle, past the scanner, has ended
+    assert not worker.is_alive()
+    assert connections.take_failures() == Counter({"test_not_writer": 1})

@@ -201,22 +201,23 @@ class ConnectionPeers:
                 self._settle(watch)
 
     def _settle(self, watch: PeerWatch) -> None:
+        failure = None
         try:
             found = self._scan(watch.peer)
         except Exception as exc:  # a scan must never end the worker: the connection stays unknown
             self._scan_errors.warn(self.failed, "a client connection's process lookup raised: %s", exc)
-            self._failures.append(self.failed)
-            found = None
+            failure, found = self.failed, None
         not_writer = False
         if found is not None and not found.writer:
             found.close()  # a relay, or a process that never mapped the arena: never waited for
-            self._failures.append(self.not_writer)
-            found, not_writer = None, True
+            failure, found, not_writer = self.not_writer, None, True
         with self._lock:
-            if watch.armed.is_set():  # settled meanwhile by the other thread
+            if watch.armed.is_set():  # settled meanwhile by the other thread, which counted it
                 if found is not None:
                     found.close()
                 return
+            if failure is not None:
+                self._failures.append(failure)  # once per connection: by the thread arming it
             if found is not None:
                 shared = self._by_pids.get(found.pids)
                 if shared is not None and not shared.exited():
