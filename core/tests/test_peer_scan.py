@@ -101,7 +101,7 @@ def test_a_pending_lookup_keeps_its_process_alive_until_armed(clients: Any, peer
     assert watch.armed.wait(GATE_S)
     assert watch.process is not None and watch.process.pids == (process.pid,)
     assert watch.exited()
-    assert scanner.threads == ["peer-scan"]
+    assert scanner.threads == ["tiers-peer-scan"]
 
 
 def test_scan_now_settles_a_queued_watch_and_the_worker_leaves_it(clients: Any, peers: Any) -> None:
@@ -119,7 +119,7 @@ def test_scan_now_settles_a_queued_watch_and_the_worker_leaves_it(clients: Any, 
     scanner.gate.set()
     assert held.armed.wait(GATE_S)
     connections.close()  # the worker has run what was queued
-    assert scanner.threads == ["peer-scan", threading.current_thread().name]
+    assert scanner.threads == ["tiers-peer-scan", threading.current_thread().name]
     assert connections.take_failures() == Counter()
 
 

@@ -109,7 +109,7 @@ class ConnectionPeers:
         not_writer: str = "peer_not_writer",
         max_pending: int = 1024,
         max_connections: int = 4096,
-        thread_name: str = "peer-scan",
+        thread_name: str = "tiers-peer-scan",
     ) -> None:
         """``failed`` / ``given_up`` / ``foreign`` / ``not_writer``: the reasons a front end
         counts them under (see the module);

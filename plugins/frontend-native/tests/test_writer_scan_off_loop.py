@@ -77,7 +77,7 @@ def test_the_loop_answers_while_a_scan_waits_and_the_fence_holds_until_it_ends(
         scanner.gate.set()
         wait_for(lambda: fenced(server) == 0, "the exited writer's fence lifted once armed")
         assert leases_of(server)["reclaimed_writer_done"] == 1
-        assert scanner.threads == ["native-peer-scan"]
+        assert scanner.threads == ["tiers-native-peer-scan"]
     finally:
         scanner.gate.set()
 
@@ -120,7 +120,7 @@ def test_a_commit_after_a_drop_is_tied_while_the_lookups_wait(
     scanner = gated(server)
     try:
         older_client_stores_across_a_drop(server, processes)
-        assert scanner.threads[0] == "native-peer-scan"
-        assert "native-peer-scan" not in scanner.threads[1:]
+        assert scanner.threads[0] == "tiers-native-peer-scan"
+        assert "tiers-native-peer-scan" not in scanner.threads[1:]
     finally:
         scanner.gate.set()

@@ -104,7 +104,7 @@ class WriterProcesses:
             given_up="peer_scan_given_up",
             foreign="peer_foreign_namespace",
             not_writer="peer_not_writer",
-            thread_name="native-peer-scan",
+            thread_name="tiers-native-peer-scan",
         )
 
     def hello(self, identity: bytes, pid: int) -> None:

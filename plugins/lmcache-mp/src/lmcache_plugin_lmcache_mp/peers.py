@@ -100,7 +100,7 @@ class ConnectionProcesses(ConnectionPeers):
             not_writer="mp_peer_not_writer",
             max_pending=MAX_PENDING_SCANS,
             max_connections=MAX_CONNECTIONS,
-            thread_name="mp-peer-scan",
+            thread_name="tiers-mp-peer-scan",
         )
 
     def writer(self, fd: int) -> WriterWatch | None:
