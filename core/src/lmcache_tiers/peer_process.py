@@ -14,7 +14,10 @@ client's process, which a protocol may not carry.  The kernel knows it:
   near end the same address): the client's socket is the one whose local address is the
   connection's far end in ``/proc/net/tcp{,6}``; the processes other than the server
   holding its inode in ``/proc/*/fd`` are its owners (a scan, about 1.8 ms per thousand
-  descriptors open on the host, so once per connection);
+  descriptors open on the host, so once per connection).  Where the client said its pid
+  (:attr:`PeerSocket.hint`: the native protocol's HELLO) the scan looks in that process's
+  descriptors and its descendants' first (:func:`_hinted_holders`), and walks every
+  process only if the socket is not there;
 * anything else (a remote peer, a process not visible here, a /proc mounted for
   another pid namespace, a lookup that failed): unknown, and a front end keeps its fences as before.
 
@@ -44,9 +47,11 @@ import os
 import select
 import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = [
+    "FullScan",
     "PeerProcess",
     "PeerSocket",
     "maps_file",
@@ -54,6 +59,7 @@ __all__ = [
     "peer_socket",
     "peer_socket_pids",
     "pidfd_exited",
+    "socket_holders",
     "watch_peer",
     "watch_peer_socket",
     "watch_writer_socket",
@@ -75,6 +81,9 @@ class PeerSocket:
     near: tuple[object, ...] = ()
     #: SO_PEERCRED named no pid: the client is in a pid namespace this server cannot see
     foreign: bool = False
+    #: the pid the client says it has (0: none said), where a loopback TCP scan looks
+    #: first; never trusted: only a process found holding the socket is taken
+    hint: int = 0
 
     @property
     def remote(self) -> bool:
@@ -140,14 +149,19 @@ def peer_socket(fd: int) -> PeerSocket | None:
     return None
 
 
-def peer_socket_pids(peer: PeerSocket) -> tuple[int, ...]:
+#: the full scan: the pids of every process but this one holding a socket's inode
+FullScan = Callable[[int], tuple[int, ...]]
+
+
+def peer_socket_pids(peer: PeerSocket, full_scan: FullScan | None = None) -> tuple[int, ...]:
     """The pids of the processes at ``peer`` (a /proc scan for a loopback TCP one; empty
-    when they cannot be told)."""
+    when they cannot be told).  ``full_scan``: what walks every process when the hint
+    does not find the socket (:func:`socket_holders`; another to count its calls)."""
     if peer.pid > 0:
         return (peer.pid,)
     if peer.far and peer.near:
         try:
-            return _loopback_owners(peer.far, peer.near)
+            return _loopback_owners(peer.far, peer.near, peer.hint, full_scan or socket_holders)
         except (OSError, ValueError):
             return ()
     return ()
@@ -160,7 +174,9 @@ def peer_pids(fd: int) -> tuple[int, ...]:
     return () if peer is None else peer_socket_pids(peer)
 
 
-def _loopback_owners(far: tuple[object, ...], near: tuple[object, ...]) -> tuple[int, ...]:
+def _loopback_owners(
+    far: tuple[object, ...], near: tuple[object, ...], hint: int, full_scan: FullScan
+) -> tuple[int, ...]:
     far_ip, near_ip = _ip(far), _ip(near)
     if not _same_stack(far_ip, near_ip):
         return ()  # another host's process: nothing here names it
@@ -170,7 +186,9 @@ def _loopback_owners(far: tuple[object, ...], near: tuple[object, ...]) -> tuple
     wanted_local = (far_ip.packed, int(str(far[1])))
     wanted_remote = (near_ip.packed, int(str(near[1])))
     inode = _tcp_inode(wanted_local, wanted_remote)
-    return _holders(inode) if inode else ()
+    if not inode:
+        return ()
+    return _hinted_holders(inode, hint) or full_scan(inode)
 
 
 def _proc_is_of_this_pid_namespace() -> bool:
@@ -212,7 +230,8 @@ def _address(text: str) -> tuple[bytes, int]:
     return packed, int(port, 16)
 
 
-def _holders(inode: int) -> tuple[int, ...]:
+def socket_holders(inode: int) -> tuple[int, ...]:
+    """The full scan: every process but this one holding the socket ``inode``, by pid."""
     target = f"socket:[{inode}]"
     # The server's own descriptors are not read: one per connection (and per watch), they
     # are what grows with a client's connections, and a client in the server's own
@@ -222,15 +241,88 @@ def _holders(inode: int) -> tuple[int, ...]:
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or entry.name == own:
             continue
+        if _holds(int(entry.name), target):
+            found.append(int(entry.name))
+    return tuple(sorted(found))
+
+
+def _holds(pid: int, target: str) -> bool:
+    """Whether process ``pid`` has a descriptor reading as ``target`` (no: exited, or
+    not ours to look at)."""
+    try:
+        for fd in os.scandir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(fd.path) == target:
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+def _hinted_holders(inode: int, hint: int) -> tuple[int, ...]:
+    """The holders of the socket ``inode`` among the process ``hint`` and its
+    descendants (``/proc/<pid>/task/*/children``, each thread's, recursively); empty when
+    none holds it, or the tree cannot be read whole, and the caller then scans every
+    process.  A few processes read instead of every one: the hint is the client's own word.
+
+    Any process found holds the socket, whatever the hint named (the inode is the
+    kernel's), so a wrong hint (a lying or stale pid, a pid of another namespace, a
+    socket passed by SCM_RIGHTS to a process outside the tree) finds none and falls back
+    to the full scan.  What it can miss is a holder outside the tree while one inside
+    holds it too, where the full scan would have found both and waited for both:
+
+    * the hint's ancestors: the client library says HELLO only from the process that
+      created the client (it refuses use in a forked child), so a HELLO naming a forked
+      child while its parent writes is not a client's doing;
+    * a forked child (a descendant, found) whose parent exited: an orphan, reparented
+      to init or a subreaper, is out of the tree.  A forked child may not use the client,
+      so it copies nothing through it; the creator, whose exit is waited for, is found;
+    * a process the socket was passed to by SCM_RIGHTS while the creator keeps it: the
+      library never passes it; a program that does writes outside the client.
+
+    The server's own process is never taken (as in the full scan): a hint naming it is
+    not used."""
+    if hint <= 0 or hint == os.getpid():
+        return ()
+    target = f"socket:[{inode}]"
+    own = os.getpid()  # a descendant too where the client started the server
+    found: set[int] = set()
+    seen: set[int] = set()
+    waiting = [hint]
+    while waiting:
+        pid = waiting.pop()
+        if pid in seen:
+            continue  # a pid reused while the tree was read: once is enough
+        seen.add(pid)
+        if pid != own and _holds(pid, target):
+            found.add(pid)
+        children = _children(pid)
+        if children is None:
+            return ()  # a tree not read whole may miss holders: the full scan instead
+        waiting.extend(children)
+    return tuple(sorted(found))
+
+
+def _children(pid: int) -> list[int] | None:
+    """The children of every thread of ``pid`` (empty: it exited meanwhile); None when
+    the kernel does not list them (no ``CONFIG_PROC_CHILDREN``, not ours to read)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return []  # exited: it has no children to look at
+    except OSError:
+        return None
+    children: list[int] = []
+    for task in tasks:
         try:
-            for fd in os.scandir(f"/proc/{entry.name}/fd"):
-                with contextlib.suppress(OSError):
-                    if os.readlink(fd.path) == target:
-                        found.append(int(entry.name))
-                        break
-        except OSError:
-            continue  # exited meanwhile, or not ours to look at
-    return tuple(found)
+            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as listed:
+                children.extend(int(child) for child in listed.read().split())
+        except FileNotFoundError:
+            if os.path.isdir(f"/proc/{pid}/task/{task}"):
+                return None  # the thread is there but its children are not listed
+        except (OSError, ValueError):
+            return None
+    return children
 
 
 def maps_file(pids: tuple[int, ...], device: int, inode: int) -> bool:

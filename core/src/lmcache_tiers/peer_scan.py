@@ -42,6 +42,7 @@ touches only the watches it arms and its own queue.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -140,10 +141,12 @@ class ConnectionPeers:
         self._scan_errors = BurstLog(logger)
         self._failure_log = BurstLog(logger)
 
-    def watch(self, fd: int) -> PeerWatch | None:
+    def watch(self, fd: int, hint: int = 0) -> PeerWatch | None:
         """The watch of the process at the other end of the connection whose message came
         in on descriptor ``fd``, read while that message is handled (None: it cannot be
-        told).  Never scans: a connection seen for the first time gets a pending watch."""
+        told).  Never scans: a connection seen for the first time gets a pending watch.
+        ``hint``: the pid the client said it has (0: none), where the scan of a connection
+        seen for the first time looks first (:attr:`PeerSocket.hint`: never trusted)."""
         if fd < 0:
             return None
         try:
@@ -159,6 +162,8 @@ class ConnectionPeers:
         peer = peer_socket(fd)
         if peer is None:
             return None  # not a socket whose far end the kernel names: nothing to scan
+        if hint > 0 and peer.far:
+            peer = dataclasses.replace(peer, hint=hint)
         watch = PeerWatch(peer)
         if peer.foreign:
             # Nothing to scan for: no pid here names it.  Remembered, so counted (and

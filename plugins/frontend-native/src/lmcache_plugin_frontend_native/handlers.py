@@ -589,7 +589,7 @@ class Handlers:
         extents would stay fenced while the process lives.  Another client reserving and
         committing a key holds its own reservation of it, so it never lifts the fence of a
         writer that may still be copying."""
-        current = self.writers.of_request(self._source_fd())
+        current = self.writers.of_request(self._source_fd(), identity)
         for earlier in self.sessions:
             if earlier.identity == identity or not (earlier.writes or earlier.fenced):
                 continue
@@ -622,7 +622,7 @@ class Handlers:
 
     def _note_writer(self, session: Session, identity: bytes) -> None:
         """Keep the watch of the process reserving for ``session`` now (``writers.py``)."""
-        watch = self.writers.of_request(self._source_fd())
+        watch = self.writers.of_request(self._source_fd(), identity)
         if not (session.writes or session.fenced):
             session.writers.clear()  # what reserved before is done with: its exit lifts nothing
         self.writers.note(session.writers, watch)

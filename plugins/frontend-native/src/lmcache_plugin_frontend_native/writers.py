@@ -10,9 +10,12 @@ The process is asked of the kernel first, as the LMCache front end does
 STORE_RESERVE came in on (``zmq.SRCFD``, read while the request is handled), through
 ``SO_PEERCRED`` over ``ipc://`` -- translated into the server's pid namespace, so a client
 in a container's namespace is seen too -- or the owner of the client's socket over
-loopback TCP.  The pid a HELLO reports is only the fallback where the kernel names no
-writer for a local client (a client in the server's own process over TCP, a process the
-scan cannot see, a connection through a relay process, a failed scan): it is the client's
+loopback TCP, whose scan looks first in the HELLO pid's process and its descendants (a
+hint only: what is found there holds the socket, and a pid holding none of it has every
+process scanned; core's ``peer_process``).  The pid a HELLO reports is only the fallback
+where the kernel names no writer for a local client (a client in the server's own process
+over TCP, a process the scan cannot see, a connection through a relay process, a failed
+scan): it is the client's
 own word, in a pid namespace the server may not share, and a pid naming another process
 would lift the fence while the writer still copies.  Either way a process is watched only
 if it maps the arena segment itself (core's ``watch_writer_socket`` and ``maps_file``:
@@ -118,10 +121,13 @@ class WriterProcesses:
             oldest = next((peer for peer in pids if not holds(peer)), next(iter(pids)))
             del pids[oldest]
 
-    def of_request(self, fd: int) -> PeerWatch | None:
+    def of_request(self, fd: int, identity: bytes) -> PeerWatch | None:
         """The kernel's watch of the process whose request came in on ``fd`` (-1: not
-        known), pending until its scan ends; None when the kernel cannot tell at all."""
-        return self.connections.watch(fd)
+        known), pending until its scan ends; None when the kernel cannot tell at all.
+        ``identity``'s HELLO pid is where a loopback TCP scan looks first: the socket found
+        in that process or its descendants names them, without reading every process's
+        descriptors; not found there, every process is scanned (core's ``peer_process``)."""
+        return self.connections.watch(fd, hint=self._pids.get(identity, 0))
 
     @staticmethod
     def note(writers: list[PeerWatch | None], watch: PeerWatch | None) -> None:

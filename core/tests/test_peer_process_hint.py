@@ -1,0 +1,149 @@
+"""The pid a client says it has is where a loopback TCP scan looks first, never trusted.
+
+Real client processes connect over loopback TCP; the full scan of every process is counted
+through the hook ``peer_socket_pids`` takes, so a test tells which way a holder was found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from lmcache_tiers.peer_process import (
+    PeerProcess,
+    PeerSocket,
+    peer_socket,
+    peer_socket_pids,
+    socket_holders,
+    watch_peer_socket,
+)
+from lmcache_tiers.peer_scan import ConnectionPeers
+
+#: connects to port argv[1] on loopback; with argv[2] == "fork" a child inherits the
+#: socket and both stay; prints the holders' pids, then waits to be killed
+CLIENT = """
+import os, socket, sys, time
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+pids = [os.getpid()]
+if sys.argv[2] == "fork":
+    child = os.fork()
+    if child == 0:
+        time.sleep(3600)
+        os._exit(0)
+    pids.append(child)
+print(" ".join(map(str, pids)), flush=True)
+time.sleep(3600)
+"""
+
+
+class CountingScan:
+    """The full scan, counted."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, inode: int) -> tuple[int, ...]:
+        self.calls += 1
+        return socket_holders(inode)
+
+
+#: starts a client ("alone" or "fork"): its connection's far end as the server reads it,
+#: the client's pids (the creator first) and the server side's descriptor
+Connect = Callable[..., tuple[PeerSocket, list[int], int]]
+
+
+@pytest.fixture
+def connect() -> Iterator[Connect]:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    opened: list[tuple[subprocess.Popen[str], socket.socket]] = []
+
+    def start(mode: str = "alone") -> tuple[PeerSocket, list[int], int]:
+        process = subprocess.Popen(
+            [sys.executable, "-c", CLIENT, str(listener.getsockname()[1]), mode],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert process.stdout is not None
+        pids = [int(pid) for pid in process.stdout.readline().split()]
+        accepted, _ = listener.accept()
+        opened.append((process, accepted))
+        peer = peer_socket(accepted.fileno())
+        assert peer is not None and peer.far
+        return peer, pids, accepted.fileno()
+
+    yield start
+    for process, accepted in opened:
+        for pid in _children(process.pid):
+            os.kill(pid, 9)
+        process.kill()
+        process.wait()
+        assert process.stdout is not None
+        process.stdout.close()
+        accepted.close()
+    listener.close()
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as listed:
+        return [int(child) for child in listed.read().split()]
+
+
+def test_the_hint_finds_the_holder_without_the_full_scan(connect: Connect) -> None:
+    peer, pids, _ = connect()
+    scan = CountingScan()
+    assert peer_socket_pids(dataclasses.replace(peer, hint=pids[0]), scan) == (pids[0],)
+    assert scan.calls == 0
+
+
+def test_a_hint_holding_nothing_falls_back_to_the_full_scan(connect: Connect) -> None:
+    peer, pids, _ = connect()
+    _, others, _ = connect()  # a live process holding another connection: a wrong hint
+    for wrong in (others[0], os.getpid(), 2**22 + 1):
+        scan = CountingScan()
+        assert peer_socket_pids(dataclasses.replace(peer, hint=wrong), scan) == (pids[0],)
+        assert scan.calls == 1
+
+
+def test_a_forked_child_holding_the_socket_is_found_through_the_hint(connect: Connect) -> None:
+    peer, pids, _ = connect("fork")
+    scan = CountingScan()
+    assert peer_socket_pids(dataclasses.replace(peer, hint=pids[0]), scan) == tuple(sorted(pids))
+    assert scan.calls == 0
+    assert peer_socket_pids(peer, scan) == tuple(sorted(pids))  # what the full scan finds: the same
+    assert scan.calls == 1
+
+
+def test_a_hint_naming_an_ancestor_of_the_holder_finds_it_below(connect: Connect) -> None:
+    # The test's own process started the client: the client is its descendant
+    peer, pids, _ = connect()
+    scan = CountingScan()
+    hinted = dataclasses.replace(peer, hint=os.getppid())
+    assert peer_socket_pids(hinted, scan) == (pids[0],)
+    assert scan.calls == 0
+
+
+def test_a_connection_watched_with_a_hint_is_scanned_with_it(connect: Connect) -> None:
+    _, pids, fd = connect()
+    seen: list[PeerSocket] = []
+
+    def scan(peer: PeerSocket) -> PeerProcess | None:
+        seen.append(peer)
+        return watch_peer_socket(peer)
+
+    connections = ConnectionPeers(scan)
+    try:
+        watch = connections.watch(fd, hint=pids[0])
+        assert watch is not None
+        assert watch.armed.wait(60)  # by the worker
+        assert [peer.hint for peer in seen] == [pids[0]]
+        assert watch.process is not None and watch.process.pids == (pids[0],)
+    finally:
+        connections.close()
