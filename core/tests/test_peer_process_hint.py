@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from lmcache_tiers import peer_process
 from lmcache_tiers.peer_process import (
     PeerProcess,
     PeerSocket,
@@ -26,12 +27,13 @@ from lmcache_tiers.peer_process import (
 from lmcache_tiers.peer_scan import ConnectionPeers
 
 #: connects to port argv[1] on loopback; with argv[2] == "fork" a child inherits the
-#: socket and both stay; prints the holders' pids, then waits to be killed
+#: socket and both stay ("fork<n>": n children); prints the holders' pids, then waits to
+#: be killed
 CLIENT = """
 import os, socket, sys, time
 sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
 pids = [os.getpid()]
-if sys.argv[2] == "fork":
+for _ in range(int(sys.argv[2][4:] or 1) if sys.argv[2].startswith("fork") else 0):
     child = os.fork()
     if child == 0:
         time.sleep(3600)
@@ -128,6 +130,25 @@ def test_a_hint_naming_an_ancestor_of_the_holder_finds_it_below(connect: Connect
     hinted = dataclasses.replace(peer, hint=os.getppid())
     assert peer_socket_pids(hinted, scan) == (pids[0],)
     assert scan.calls == 0
+
+
+def test_a_tree_larger_than_the_walk_reads_is_left_to_the_full_scan(connect: Connect) -> None:
+    # A client forking without end must not keep the scan worker reading its tree: past
+    # the bound the walk stops, and the full scan answers
+    peer, pids, _ = connect(f"fork{peer_process._HINT_TREE_PROCESSES}")
+    scan = CountingScan()
+    assert peer_socket_pids(dataclasses.replace(peer, hint=pids[0]), scan) == tuple(sorted(pids))
+    assert scan.calls == 1
+
+
+def test_a_process_of_more_threads_than_the_walk_reads_is_left_to_the_full_scan(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    peer, pids, _ = connect()
+    monkeypatch.setattr(peer_process, "_HINT_TREE_THREADS", 0, raising=False)
+    scan = CountingScan()
+    assert peer_socket_pids(dataclasses.replace(peer, hint=pids[0]), scan) == (pids[0],)
+    assert scan.calls == 1
 
 
 def test_a_connection_watched_with_a_hint_is_scanned_with_it(connect: Connect) -> None:

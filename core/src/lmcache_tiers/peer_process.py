@@ -356,7 +356,10 @@ def _hinted_holders(inode: int, hint: int) -> tuple[int, ...]:
       library never passes it; a program that does writes outside the client.
 
     The server's own process is never taken (as in the full scan): a hint naming it is
-    not used."""
+    not used.  A tree of more than :data:`_HINT_TREE_PROCESSES` processes, or of more than
+    :data:`_HINT_TREE_THREADS` threads, is not read on (the full scan instead): a hint
+    naming init, or a client forking without end, would have the walk read more than the
+    full scan does, or never end while the scan worker waits."""
     if hint <= 0 or hint == os.getpid():
         return ()
     target = f"socket:[{inode}]"
@@ -364,28 +367,41 @@ def _hinted_holders(inode: int, hint: int) -> tuple[int, ...]:
     found: set[int] = set()
     seen: set[int] = set()
     waiting = [hint]
+    threads = _HINT_TREE_THREADS
     while waiting:
         pid = waiting.pop()
         if pid in seen:
             continue  # a pid reused while the tree was read: once is enough
         seen.add(pid)
+        if len(seen) > _HINT_TREE_PROCESSES:
+            return ()
         if pid != own and _holds(pid, target):
             found.add(pid)
-        children = _children(pid)
+        children = _children(pid, threads)
         if children is None:
             return ()  # a tree not read whole may miss holders: the full scan instead
-        waiting.extend(children)
+        threads -= children[1]
+        waiting.extend(children[0])
     return tuple(sorted(found))
 
 
-def _children(pid: int) -> list[int] | None:
-    """The children of every thread of ``pid`` (empty: it exited meanwhile); None when
-    the kernel does not list them (no ``CONFIG_PROC_CHILDREN``, not ours to read)."""
+#: the most processes, and threads, a hinted walk reads before it leaves the tree to the
+#: full scan (a client and its workers are a few processes of a few hundred threads)
+_HINT_TREE_PROCESSES = 64
+_HINT_TREE_THREADS = 4096
+
+
+def _children(pid: int, threads: int) -> tuple[list[int], int] | None:
+    """The children of every thread of ``pid`` (none: it exited meanwhile) and how many
+    threads were read; None when the kernel does not list them (no
+    ``CONFIG_PROC_CHILDREN``, not ours to read) or ``pid`` has more than ``threads``."""
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:
-        return []  # exited: it has no children to look at
+        return [], 0  # exited: it has no children to look at
     except OSError:
+        return None
+    if len(tasks) > threads:
         return None
     children: list[int] = []
     for task in tasks:
@@ -397,7 +413,7 @@ def _children(pid: int) -> list[int] | None:
                 return None  # the thread is there but its children are not listed
         except (OSError, ValueError):
             return None
-    return children
+    return children, len(tasks)
 
 
 def maps_file(pids: tuple[int, ...], device: int, inode: int) -> bool:
