@@ -86,9 +86,13 @@ _STUCK_ON_A_FIFO = textwrap.dedent(
 )
 
 
-def test_ctrl_c_while_it_lingers_leaves_at_once_with_the_code_of_the_stop(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_signal_while_it_lingers_leaves_at_once_with_the_code_of_the_stop(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
     """A Ctrl-C in the linger raised KeyboardInterrupt there, and Python's exit then joined
-    the stuck threads: the process hung until a second Ctrl-C."""
+    the stuck threads: the process hung until a second Ctrl-C.  A SIGTERM there ended the
+    process by the signal (exit -15), the stop's code lost."""
     marker = tmp_path / "lingering"
     process = subprocess.Popen(
         [sys.executable, "-c", _STUCK_ON_A_FIFO, str(tmp_path / "fifo"), str(marker)],
@@ -103,11 +107,11 @@ def test_ctrl_c_while_it_lingers_leaves_at_once_with_the_code_of_the_stop(tmp_pa
             assert process.poll() is None, process.communicate()
             assert time.monotonic() < deadline, "it never lingered"
             time.sleep(0.02)
-        process.send_signal(signal.SIGINT)
+        process.send_signal(sig)
         try:
-            out, err = process.communicate(timeout=60)  # a guard: on the old code it never ends
+            out, err = process.communicate(timeout=60)  # a guard: for SIGINT on old code it never ends
         except subprocess.TimeoutExpired:
-            pytest.fail("the process went on waiting for the stuck threads after the Ctrl-C")
+            pytest.fail(f"the process went on waiting for the stuck threads after {sig.name}")
     finally:
         process.kill()
         process.wait()
@@ -115,24 +119,29 @@ def test_ctrl_c_while_it_lingers_leaves_at_once_with_the_code_of_the_stop(tmp_pa
     assert "not reached" not in out
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines == [
-        "WARNING:lmcache_tiers.server:SIGINT while waiting for 2 threads still in calls after the stop"
+        f"WARNING:lmcache_tiers.server:{sig.name} while waiting for 2 threads still in calls after the stop"
         " (fifo-read-1, fifo-read-2): exiting without waiting for them"
     ], err
 
 
-def test_the_ctrl_c_handler_is_given_back_after_a_ctrl_c_with_nothing_left_stuck() -> None:
-    """A Ctrl-C in the linger leaves SIG_DFL behind (a second one ends a process leaving
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_the_handlers_are_given_back_after_a_signal_with_nothing_left_stuck(sig: signal.Signals) -> None:
+    """A signal in the linger leaves SIG_DFL behind (a second one ends a process leaving
     past stuck threads at once); when no thread was stuck after all, the process exits as
     it would, and SIGINT must raise KeyboardInterrupt again, not kill it by the signal."""
-    from lmcache_tiers.server.leave import _CtrlCWhileLingering
+    from lmcache_tiers.server.leave import _StopWhileLingering
 
-    before = signal.getsignal(signal.SIGINT)
+    before = {each: signal.getsignal(each) for each in (signal.SIGINT, signal.SIGTERM)}
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        ctrl_c = _CtrlCWhileLingering.take()
-        assert ctrl_c is not None
-        ctrl_c(signal.SIGINT, None)  # the Ctrl-C, as the signal delivers it
-        ctrl_c.give_back()
+        stop = _StopWhileLingering.take()
+        assert stop is not None
+        assert signal.getsignal(signal.SIGINT) is stop and signal.getsignal(signal.SIGTERM) is stop
+        stop(sig, None)  # the signal, as it is delivered
+        stop.give_back()
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     finally:
-        signal.signal(signal.SIGINT, before)
+        for each, handler in before.items():
+            signal.signal(each, handler)
