@@ -43,7 +43,6 @@ connection but copies nothing, and its exit says nothing of the client's.
 from __future__ import annotations
 
 import contextlib
-import errno
 import ipaddress
 import os
 import select
@@ -213,7 +212,6 @@ def _tcp_inode(local: tuple[bytes, int], remote: tuple[bytes, int]) -> int:
 #: netlink's NETLINK_SOCK_DIAG protocol and its SOCK_DIAG_BY_FAMILY request (linux/sock_diag.h)
 _NETLINK_SOCK_DIAG = 4
 _SOCK_DIAG_BY_FAMILY = 20
-_NLMSG_ERROR = 2
 _NLM_F_REQUEST = 1
 #: nlmsghdr: length, type, flags, sequence, port id
 _NLMSG = struct.Struct("=IHHII")
@@ -232,8 +230,14 @@ def _diag_inode(local: tuple[bytes, int], remote: tuple[bytes, int]) -> int | No
     """The inode of the TCP socket with these addresses, by the kernel's exact lookup
     (``sock_diag``: a hash lookup, tens of microseconds, where reading ``/proc/net/tcp``
     walks the whole table, about a millisecond); 0 when no such socket exists, None when
-    the kernel did not answer (no netlink here, a filter refusing it): then the tables
-    are read.  An answer naming another socket than asked is taken as none (fail closed)."""
+    the kernel did not answer (no netlink here, a filter refusing it, no such socket):
+    then the tables are read.  An answer naming another socket than asked is taken as
+    none (fail closed).
+
+    ENOENT is not taken for "no such socket": it is also what the kernel answers when it
+    has no sock_diag handler for TCP (``inet_diag``/``tcp_diag`` are modules, which a
+    container may neither find loaded nor load), where every client would be taken as
+    gone and its process never found; the table tells the two apart."""
     family = socket.AF_INET if len(local[0]) == 4 else socket.AF_INET6
     # sport and dport go in network order through "!": the struct packs them so
     wanted = _DIAG_SOCKID.pack(
@@ -251,10 +255,7 @@ def _diag_inode(local: tuple[bytes, int], remote: tuple[bytes, int]) -> int | No
         return None
     try:
         kind = _NLMSG.unpack_from(answer)[1]
-        if kind == _NLMSG_ERROR:
-            error = struct.unpack_from("=i", answer, _NLMSG.size)[0]
-            return 0 if error == -errno.ENOENT else None
-        if kind != _SOCK_DIAG_BY_FAMILY:
+        if kind != _SOCK_DIAG_BY_FAMILY:  # NLMSG_ERROR included (see above)
             return None
         found_family, _, _, _, sockid, *_, inode = _DIAG_MSG.unpack_from(answer, _NLMSG.size)
     except struct.error:
