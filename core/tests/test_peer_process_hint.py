@@ -123,6 +123,15 @@ def test_a_forked_child_holding_the_socket_is_found_through_the_hint(connect: Co
     assert scan.calls == 1
 
 
+def test_a_hint_naming_a_forked_child_while_its_parent_holds_the_socket_is_not_used(connect: Connect) -> None:
+    # The HELLO names the child; the parent, outside the child's tree, holds the socket
+    # too and may write: the answer is the full scan's, both
+    peer, pids, _ = connect("fork")
+    scan = CountingScan()
+    assert peer_socket_pids(dataclasses.replace(peer, hint=pids[1]), scan) == tuple(sorted(pids))
+    assert scan.calls == 1
+
+
 def test_a_hint_naming_an_ancestor_of_the_holder_finds_it_below(connect: Connect) -> None:
     # The test's own process started the client: the client is its descendant
     peer, pids, _ = connect()
