@@ -3,7 +3,7 @@ the number of processes on the host.
 
 A client process connects to a listener of this one over 127.0.0.1; the server's end
 asks the kernel for the client's process, as the LMCache front end does for each new
-loopback connection: ``/proc/net/tcp`` for the client socket's inode, then every
+loopback connection: ``sock_diag`` (else ``/proc/net/tcp``) for the client socket's inode, then every
 process's ``/proc/<pid>/fd`` for its holder.  ``--sleepers`` extra processes (``sleep``,
 each with its three standard descriptors) are started for each figure, on top of what
 the host runs.  The figures are medians of ``--repeat`` lookups: the whole lookup (the
