@@ -95,6 +95,12 @@ def _validate(key: ObjectKey) -> None:
     chunk_hash = key.chunk_hash
     if not isinstance(chunk_hash, bytes) or not 0 < len(chunk_hash) <= MAX_CHUNK_HASH_LEN:
         raise KeyValidationError(f"chunk_hash must be 1..{MAX_CHUNK_HASH_LEN} bytes")
+    for field in ("kv_rank", "object_group"):
+        value = getattr(key, field)
+        # A bool or a float equal to an int passes the bounds, and the key then equals one
+        # of that int, but it encodes as a bool or a float, which the server refuses.
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise KeyValidationError(f"{field} must be an int, got {type(value).__name__} {value!r}")
     if not 0 <= key.kv_rank < _KV_RANK_LIMIT:
         raise KeyValidationError(f"kv_rank {key.kv_rank} is outside 0..2**32-1")
     if not 0 <= key.object_group < _OBJECT_GROUP_LIMIT:
@@ -119,7 +125,7 @@ class ObjectKey(msgspec.Struct, frozen=True, array_like=True, gc=False, cache_ha
         # to an exact str that passed the checks (the last names, else a remembered one)
         # has the same characters, so it passes them too.  Anything else is checked field
         # by field, which says what is wrong.
-        chunk_hash = self.chunk_hash
+        chunk_hash, rank, group = self.chunk_hash, self.kv_rank, self.object_group
         last = _LAST_CHECKED
         try:
             if (
@@ -129,8 +135,9 @@ class ObjectKey(msgspec.Struct, frozen=True, array_like=True, gc=False, cache_ha
                 )
                 and isinstance(chunk_hash, bytes)
                 and 0 < len(chunk_hash) <= MAX_CHUNK_HASH_LEN
-                and 0 <= self.kv_rank < _KV_RANK_LIMIT
-                and 0 <= self.object_group < _OBJECT_GROUP_LIMIT
+                and type(rank) is int is type(group)  # not a bool or a float equal to an int
+                and 0 <= rank < _KV_RANK_LIMIT
+                and 0 <= group < _OBJECT_GROUP_LIMIT
             ):
                 return
         except Exception:  # e.g. an unhashable name, a number that is no number: said below
