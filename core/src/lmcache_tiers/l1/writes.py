@@ -112,25 +112,16 @@ class WriteReservations:
         with self._lock:
             table = self._table
             table.check_open()
-            present_of = table.objects.get
-            wanted: dict[ObjectKey, int] = {}
-            wanted_layouts: dict[ObjectKey, str] = {}
             loads: list[L1Object] = []  # load reservations this writer takes over
             writing: dict[ObjectKey, L1Object] = {}  # other writers' reservations it skips
-            for position, (key, size) in enumerate(zip(keys, sizes, strict=True)):
-                if key in wanted:
-                    continue
-                present = present_of(key)
-                if present is not None:
-                    if load or present.state is not _WRITING:
-                        continue
-                    if not present.loading:
-                        writing[key] = present
-                        continue
-                    loads.append(present)
-                wanted[key] = size
-                if layouts is not None and layouts[position]:
-                    wanted_layouts[key] = layouts[position]
+            # The usual store names fresh keys, each once: sorted out by C loops (the chunks
+            # of a 256 KiB store paid ~0.2 us each for the loop below, on the thread
+            # that serves every client).
+            wanted = dict(zip(keys, sizes, strict=True))
+            if len(wanted) == len(keys) and table.objects.keys().isdisjoint(keys):
+                wanted_layouts = dict(zip(keys, layouts, strict=True)) if layouts is not None else {}
+            else:
+                wanted, wanted_layouts = self._sort_out(keys, sizes, layouts, load, loads, writing)
             if not wanted:
                 self._skip(writing)
                 return {}
@@ -169,6 +160,37 @@ class WriteReservations:
             }
             table.insert_many(reserved, temporary)
             return reserved
+
+    def _sort_out(
+        self,
+        keys: Sequence[ObjectKey],
+        sizes: Sequence[int],
+        layouts: Sequence[str] | None,
+        load: bool,
+        loads: list[L1Object],
+        writing: dict[ObjectKey, L1Object],
+    ) -> tuple[dict[ObjectKey, int], dict[ObjectKey, str]]:
+        """The keys of ``reserve`` to reserve, with their sizes and layouts, a repeated key
+        once at its first size; adds the loads it takes over to ``loads``, the writers'
+        reservations it skips to ``writing``.  The caller holds the lock."""
+        present_of = self._table.objects.get
+        wanted: dict[ObjectKey, int] = {}
+        wanted_layouts: dict[ObjectKey, str] = {}
+        for position, (key, size) in enumerate(zip(keys, sizes, strict=True)):
+            if key in wanted:
+                continue
+            present = present_of(key)
+            if present is not None:
+                if load or present.state is not _WRITING:
+                    continue
+                if not present.loading:
+                    writing[key] = present
+                    continue
+                loads.append(present)
+            wanted[key] = size
+            if layouts is not None and layouts[position]:
+                wanted_layouts[key] = layouts[position]
+        return wanted, wanted_layouts
 
     @staticmethod
     def _skip(writing: dict[ObjectKey, L1Object]) -> None:

@@ -1,0 +1,79 @@
+"""How a write reservation sorts out its keys: a batch of fresh keys, each named once (the
+usual store), takes no per-key look-up; a batch with a repeated key, a stored key or
+another writer's reservation reserves what the per-key rules say."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1 import L1Manager, ObjectState
+
+ALIGN = 4096
+CAPACITY = 64 * ALIGN
+
+
+def key(index: int) -> ObjectKey:
+    return ObjectKey("reserve-sorting", 0, index.to_bytes(8, "big"))
+
+
+@pytest.fixture
+def l1() -> Iterator[L1Manager]:
+    manager = L1Manager(CAPACITY, align=ALIGN, lock_ttl_s=30.0, write_ttl_s=60.0, prefault=False)
+    yield manager
+    manager.close()
+
+
+class _CountedGets(dict[Any, Any]):
+    """The table's object map, counting the keys looked up one by one."""
+
+    gets = 0
+
+    def get(self, *args: Any) -> Any:
+        _CountedGets.gets += 1
+        return super().get(*args)
+
+
+def test_a_batch_of_fresh_keys_is_reserved_without_a_look_up_per_key(l1: L1Manager) -> None:
+    table = l1._table
+    table.objects = _CountedGets(table.objects)
+    _CountedGets.gets = 0
+    batch = [key(index) for index in range(16)]
+    reserved = l1.reserve_write(batch, [ALIGN] * 16, layouts=["uint8[4096]"] * 16)
+    assert _CountedGets.gets == 0
+    assert list(reserved) == batch
+    assert all(l1.get(name) is reserved[name] for name in batch)
+
+
+def test_fresh_keys_keep_their_own_sizes_and_layouts(l1: L1Manager) -> None:
+    batch = [key(index) for index in range(3)]
+    reserved = l1.reserve_write(batch, [ALIGN, 3 * ALIGN, 100], layouts=["uint8[4096]", "", "uint8[100]"])
+    assert [obj.size for obj in reserved.values()] == [ALIGN, 3 * ALIGN, 100]
+    assert [obj.extent_bytes for obj in reserved.values()] == [ALIGN, 3 * ALIGN, ALIGN]
+    assert [obj.layout for obj in reserved.values()] == ["uint8[4096]", "", "uint8[100]"]
+    assert all(obj.state is ObjectState.WRITING for obj in reserved.values())
+    assert l1.stats().write_locked == 3
+
+
+def test_a_repeated_key_is_reserved_once_at_its_first_size_and_layout(l1: L1Manager) -> None:
+    first, second = key(1), key(2)
+    reserved = l1.reserve_write(
+        [first, second, first], [ALIGN, ALIGN, 2 * ALIGN], layouts=["uint8[4096]", "", "uint8[8192]"]
+    )
+    assert list(reserved) == [first, second]
+    assert reserved[first].size == ALIGN and reserved[first].layout == "uint8[4096]"
+    assert l1.used_bytes == 2 * ALIGN
+
+
+def test_stored_keys_and_other_writers_reservations_are_skipped(l1: L1Manager) -> None:
+    stored, writing, fresh = key(1), key(2), key(3)
+    l1.reserve_write([stored], [ALIGN])
+    assert l1.finish_write([stored]) == [True]
+    other = l1.reserve_write([writing], [ALIGN])[writing]
+    reserved = l1.reserve_write([stored, writing, fresh], [ALIGN] * 3)
+    assert list(reserved) == [fresh]
+    assert other.skipped_writes == 1, "the skipped writer counts on the other reservation"
+    assert l1.get(writing) is other
