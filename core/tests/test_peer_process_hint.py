@@ -160,6 +160,44 @@ def test_a_process_of_more_threads_than_the_walk_reads_is_left_to_the_full_scan(
     assert scan.calls == 1
 
 
+#: connects to port argv[1] on loopback, then prints the id of a second thread it starts
+THREADED_CLIENT = """
+import socket, sys, threading, time
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+threading.Thread(target=lambda: (print(threading.get_native_id(), flush=True), time.sleep(3600))).start()
+"""
+
+
+def test_a_hint_naming_a_thread_of_the_client_never_watches_the_thread_alone() -> None:
+    # /proc/<tid> reads as its process, so the thread is found holding the socket; a
+    # watch of it would end at the thread's exit while the process writes on: none is
+    # made (the fences stay as for a client that cannot be told), or one of the process
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        client = subprocess.Popen(
+            [sys.executable, "-c", THREADED_CLIENT, str(listener.getsockname()[1])],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert client.stdout is not None
+            thread = int(client.stdout.readline())
+            accepted, _ = listener.accept()
+            with accepted:
+                peer = peer_socket(accepted.fileno())
+                assert peer is not None and thread != client.pid
+                watch = watch_peer_socket(dataclasses.replace(peer, hint=thread))
+                assert watch is None or watch.pids == (client.pid,)
+                if watch is not None:
+                    watch.close()
+        finally:
+            client.kill()
+            client.wait()
+            assert client.stdout is not None
+            client.stdout.close()
+
+
 def test_a_connection_watched_with_a_hint_is_scanned_with_it(connect: Connect) -> None:
     _, pids, fd = connect()
     seen: list[PeerSocket] = []
