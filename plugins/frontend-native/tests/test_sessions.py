@@ -23,6 +23,11 @@ from lmcache_tiers.plugin import wire_protocol as p
 A, B, C = (ObjectKey("m", 0, bytes([i]) * 8) for i in (1, 2, 3))
 
 
+def reserved(name: str, extent_bytes: int = 4096) -> types.SimpleNamespace:
+    """What L1 reserves for a key, as far as a session looks at it."""
+    return types.SimpleNamespace(name=name, extent_bytes=extent_bytes)
+
+
 def test_locks_are_counted_and_grouped_by_count() -> None:
     table = SessionTable(lock_ttl_s=10, write_ttl_s=20)
     session = table.get(b"client", now=0.0)
@@ -60,10 +65,10 @@ def test_expired_locks_are_forgotten_not_released() -> None:
 def test_writes_belong_to_the_session_that_reserved_them() -> None:
     table = SessionTable(lock_ttl_s=10, write_ttl_s=20)
     mine, theirs = table.get(b"one", 0.0), table.get(b"two", 0.0)
-    mine.add_writes({A: 100, B: 200}, deadline=20.0)
+    mine.add_writes({A: reserved("a"), B: reserved("b")}, deadline=20.0)
     assert theirs.take_writes([A], now=1.0) == ({}, [False])
-    assert mine.take_writes([B, C, A], now=1.0) == ({B: 200, A: 100}, [True, False, True])
-    mine.add_writes({C: 5}, deadline=20.0)
+    assert mine.take_writes([B, C, A], now=1.0) == ({B: reserved("b"), A: reserved("a")}, [True, False, True])
+    mine.add_writes({C: reserved("c")}, deadline=20.0)
     assert mine.take_writes([C], now=25.0) == ({}, [False])  # reaped by the write TTL
 
 
@@ -638,11 +643,11 @@ def _a_client_holding_a_thousand_of_each() -> tuple[SessionTable, sessions.Sessi
     table = SessionTable(lock_ttl_s=10, write_ttl_s=20)
     session = table.get(b"heavy", now=0.0)
     held = [ObjectKey("m", 0, index.to_bytes(8, "big")) for index in range(1000)]
-    reserved = [ObjectKey("w", 0, index.to_bytes(8, "big")) for index in range(1000)]
+    writes = [ObjectKey("w", 0, index.to_bytes(8, "big")) for index in range(1000)]
     for start in range(0, 1000, 100):
         session.add_read_locks(held[start : start + 100], _WatchedDeadline(10.0 + start / 1000))
         session.add_writes(
-            dict.fromkeys(reserved[start : start + 100], "obj"), _WatchedDeadline(20.0 + start)
+            dict.fromkeys(writes[start : start + 100], reserved("obj")), _WatchedDeadline(20.0 + start)
         )
     return table, session, held
 
@@ -669,14 +674,14 @@ def test_a_sweep_does_not_walk_what_a_client_holds_until_it_expires() -> None:
 def test_reservations_given_out_of_deadline_order_still_expire_at_their_deadlines() -> None:
     table = SessionTable(lock_ttl_s=10, write_ttl_s=20)
     session = table.get(b"client", now=0.0)
-    session.add_writes({A: "a"}, deadline=30.0)
-    session.add_writes({B: "b"}, deadline=10.0)
-    session.add_writes({C: "c"}, deadline=20.0)
-    session.add_writes({A: "a2"}, deadline=40.0)  # A reserved again: its new deadline counts
+    session.add_writes({A: reserved("a")}, deadline=30.0)
+    session.add_writes({B: reserved("b")}, deadline=10.0)
+    session.add_writes({C: reserved("c")}, deadline=20.0)
+    session.add_writes({A: reserved("a2")}, deadline=40.0)  # A reserved again: its new deadline counts
     table.sweep(now=15.0)
-    assert session.writes == {C: (20.0, "c"), A: (40.0, "a2")}
+    assert session.writes == {C: (20.0, reserved("c")), A: (40.0, reserved("a2"))}
     table.sweep(now=25.0)
-    assert session.writes == {A: (40.0, "a2")}
+    assert session.writes == {A: (40.0, reserved("a2"))}
 
 
 def test_a_gauge_read_does_not_walk_what_clients_hold() -> None:
@@ -708,6 +713,10 @@ def _walked_gauges(table: SessionTable, now: float | None) -> tuple[int, int, in
     return clients, locked, reserved
 
 
+def _walked_fenced_bytes(session: sessions.Session) -> int:
+    return sum(obj.extent_bytes for obj in session.fenced.values())
+
+
 def test_running_gauges_equal_a_walk_under_any_sequence() -> None:
     rng = random.Random(43)
     pool = [ObjectKey("m", 0, index.to_bytes(8, "big")) for index in range(30)]
@@ -737,9 +746,11 @@ def test_running_gauges_equal_a_walk_under_any_sequence() -> None:
             elif action < 0.6:
                 session.take_one_read_lock(rng.sample(pool, rng.randrange(1, 8)), now)
             elif action < 0.75:
-                session.add_writes(dict.fromkeys(rng.sample(pool, rng.randrange(1, 6)), "obj"), now + 20)
+                extent = reserved("obj", rng.choice([4096, 8192, 65536]))
+                session.add_writes(dict.fromkeys(rng.sample(pool, rng.randrange(1, 6)), extent), now + 20)
             elif action < 0.85:
                 session.take_writes(rng.sample(pool, rng.randrange(1, 6)), now)
+                session.take_fenced(rng.sample(pool, rng.randrange(0, 3)))  # committed or aborted late
             elif action < 0.95:
                 table.sweep(now)  # expires records and reaps idle sessions holding nothing
                 assert tuple(table.gauges(now))[:3] == _walked_gauges(table, now)
@@ -747,7 +758,10 @@ def test_running_gauges_equal_a_walk_under_any_sequence() -> None:
                 # the session ends: everything it holds given back (a shutdown does this)
                 session.take_read_locks(list(session.read_locks), now)
                 session.writes.clear()
+                session.take_fenced(list(session.fenced))
             assert tuple(table.gauges(now))[:3] == _walked_gauges(table, None)
+            assert table.fenced.held == sum(_walked_fenced_bytes(session) for session in table)
+            assert all(session.fenced_bytes == _walked_fenced_bytes(session) for session in table)
 
 
 class _WalkedLocks(dict):  # type: ignore[type-arg]

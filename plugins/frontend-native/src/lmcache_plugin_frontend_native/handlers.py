@@ -24,7 +24,12 @@ from typing import Any, Protocol
 import msgspec
 import zmq
 
-from lmcache_plugin_frontend_native.sessions import PendingPrefetch, Session, SessionTable
+from lmcache_plugin_frontend_native.sessions import (
+    FENCED_SHARE_OF_L1_ALL_CLIENTS,
+    PendingPrefetch,
+    Session,
+    SessionTable,
+)
 from lmcache_plugin_frontend_native.writers import WriterProcesses
 from lmcache_tiers.plugin import (
     BurstLog,
@@ -173,7 +178,10 @@ class Handlers:
             lambda identity: self.sessions.peek(identity) is not None,
         )
         self.sessions = SessionTable(
-            float(l1.lock_ttl_s), float(l1.write_ttl_s), lock_deadline=l1.lock_deadline
+            float(l1.lock_ttl_s),
+            float(l1.write_ttl_s),
+            lock_deadline=l1.lock_deadline,
+            fenced_bytes_bound=max(1, int(l1.capacity_bytes) // FENCED_SHARE_OF_L1_ALL_CLIENTS),
         )
         self.stopping = threading.Event()
         #: the first frame of the request being handled, set by the RPC loop around its
@@ -464,10 +472,10 @@ class Handlers:
         reservations take more: past its bound of fenced bytes, or for a key whose expired
         reservation it has not committed or aborted yet (that commit or abort is what
         gives the fenced extent back, so there must be one reservation of the key it can
-        name).  Refused stores are counted (``store_keys_refused{reason="out_of_memory"}``)
-        and logged by the RPC loop."""
-        # Summed only for a client that has some (rare: a stall past the write TTL).
-        fenced_bytes = sum(obj.extent_bytes for obj in session.fenced.values()) if session.fenced else 0
+        name), or while all clients' fenced bytes reach their bound (``FencedBytes``).
+        Refused stores are counted (``store_keys_refused{reason="out_of_memory"}``) and
+        logged by the RPC loop."""
+        fenced_bytes = session.fenced_bytes
         if fenced_bytes >= self.fenced_bytes_per_client:
             raise HandlerError(
                 p.ErrorCode.OUT_OF_MEMORY,
@@ -481,6 +489,14 @@ class Handlers:
                 p.ErrorCode.OUT_OF_MEMORY,
                 f"this client's earlier reservation of key {key} expired uncommitted and may still "
                 "be copied into; commit or abort it before storing the key again",
+            )
+        all_fenced = self.sessions.fenced
+        if all_fenced.refuses():
+            self.stats.failure("store_refused_fenced")
+            raise HandlerError(
+                p.ErrorCode.OUT_OF_MEMORY,
+                f"all clients' expired write reservations hold {all_fenced.held} bytes of L1 "
+                f"(limit {all_fenced.bound}); stores are refused until their clients commit or abort them",
             )
 
     def _skips(self, keys: Sequence[ObjectKey], reserved: Mapping[ObjectKey, Any]) -> Counter[str]:

@@ -29,6 +29,7 @@ never the locks and reservations themselves.
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 import time
 from collections import Counter, defaultdict
@@ -38,6 +39,8 @@ from itertools import filterfalse, repeat
 from typing import Any, NamedTuple
 
 from lmcache_tiers.plugin import ObjectKey
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -115,6 +118,8 @@ class Session:
     #: client's commit or abort of the key says it stopped copying (``Handlers``); at most
     #: one per key: a key with one is not reserved for this client again meanwhile
     fenced: dict[ObjectKey, Any] = field(default_factory=dict)
+    #: the extent bytes of ``fenced``, kept as extents are fenced and given back
+    fenced_bytes: int = 0
     #: the watches (``PeerWatch``, None: not known) of the processes that reserved under
     #: this identity since it last held no reservation: its fences are lifted once all of
     #: them have exited (``writers.py``)
@@ -131,6 +136,9 @@ class Session:
     # Whether ``writes`` was given a deadline earlier than one it held (never by the
     # handlers, whose deadlines follow the clock): the sweep then sorts it once.
     _writes_unordered: bool = field(default=False, repr=False)
+    # every client's fenced bytes together, which this session's fences add to (None: a
+    # session outside a table)
+    _all_fenced: FencedBytes | None = field(default=None, repr=False)
 
     @property
     def read_locks(self) -> Counter[ObjectKey]:
@@ -378,7 +386,14 @@ class Session:
         return mine, flags
 
     def _fence(self, key: ObjectKey, obj: Any) -> None:
+        earlier = self.fenced.get(key)  # never (a fenced key is not reserved again): no drift
         self.fenced[key] = obj
+        self._count_fenced(obj.extent_bytes - (earlier.extent_bytes if earlier is not None else 0))
+
+    def _count_fenced(self, nbytes: int) -> None:
+        self.fenced_bytes += nbytes
+        if self._all_fenced is not None:
+            self._all_fenced.held += nbytes
 
     def take_fenced(self, keys: Iterable[ObjectKey]) -> list[Any]:
         """The expired reservations among ``keys`` (forgotten here): the client committed
@@ -386,7 +401,10 @@ class Session:
         fenced = self.fenced
         if not fenced:
             return []
-        return [obj for key in keys if (obj := fenced.pop(key, None)) is not None]
+        taken = [obj for key in keys if (obj := fenced.pop(key, None)) is not None]
+        if taken:
+            self._count_fenced(-sum(obj.extent_bytes for obj in taken))
+        return taken
 
     def expired_reservation_of(self, keys: Iterable[ObjectKey], now: float) -> ObjectKey | None:
         """A key among ``keys`` whose reservation by this client expired uncommitted (its
@@ -508,6 +526,55 @@ def _forget_expired(held: dict[float, int], now: float) -> None:
         del held[deadline]
 
 
+#: all clients' fenced extents together past 1/this of L1 refuse every client's new
+#: shared-memory stores.  Each client is bounded at 1/8 (``handlers.FENCED_SHARE_OF_L1``),
+#: but clients are many, and eviction cannot free a fenced extent: without a bound over them
+#: all, enough stalled or vanished clients pin all of L1 and every store fails.  A quarter
+#: is two clients' bounds: one client stalled at its own bound (the usual fault) never
+#: refuses the others' stores, and three quarters of L1 stay for objects eviction can free.
+FENCED_SHARE_OF_L1_ALL_CLIENTS = 4
+
+
+class FencedBytes:
+    """The bytes of every client's fenced extents together (each ``Session.fenced``), and
+    the bound past which new shared-memory stores are refused, whoever asks.
+
+    A refusal is safe (the client's store is a miss; it recomputes), and it lasts until
+    commits, aborts or writers' exits give enough back.  Each such episode is logged
+    twice, when it starts and when it ends, not once per refused store."""
+
+    def __init__(self, bound: int | None) -> None:
+        #: None: no bound (a table outside a front end)
+        self.bound = bound
+        self.held = 0
+        #: stores refused since the bound was reached (0: it was not)
+        self.refused = 0
+
+    def refuses(self) -> bool:
+        """Whether a new store must be refused now (counted here while it is)."""
+        if self.bound is None or self.held < self.bound:
+            if self.refused:
+                logger.warning(
+                    "all clients' expired write reservations are back under %d bytes (%d held): "
+                    "new stores are accepted again, %d were refused meanwhile",
+                    self.bound,
+                    self.held,
+                    self.refused,
+                )
+                self.refused = 0
+            return False
+        if not self.refused:
+            logger.warning(
+                "all clients' expired write reservations hold %d bytes of L1 (limit %d), which "
+                "eviction cannot free until their clients commit, abort or exit: every new "
+                'STORE_RESERVE is refused until then (failures_total{reason="store_refused_fenced"})',
+                self.held,
+                self.bound,
+            )
+        self.refused += 1
+        return True
+
+
 #: sessions holding nothing kept for the ``clients`` gauge ("seen recently"); beyond it the
 #: least recently seen are forgotten at once, which bounds what peers that keep coming
 #: back under new identities can make the server remember
@@ -535,20 +602,23 @@ class SessionTable:
         idle_s: float = 60.0,
         *,
         lock_deadline: Callable[[float], float] | None = None,
+        fenced_bytes_bound: int | None = None,
     ) -> None:
         """``lock_deadline`` is L1's (``L1Manager.lock_deadline``); without it a lock taken
-        at ``now`` expires at ``now`` plus ``lock_ttl_s``."""
+        at ``now`` expires at ``now`` plus ``lock_ttl_s``.  ``fenced_bytes_bound``: all
+        clients' fenced bytes past which stores are refused (:class:`FencedBytes`)."""
         self.lock_ttl_s = lock_ttl_s
         self.write_ttl_s = write_ttl_s
         self.idle_s = idle_s
         self._lock_deadline = lock_deadline
         self._sessions: dict[bytes, Session] = {}
+        self.fenced = FencedBytes(fenced_bytes_bound)
 
     def get(self, identity: bytes, now: float | None = None) -> Session:
         now = time.monotonic() if now is None else now
         session = self._sessions.get(identity)
         if session is None:
-            session = self._sessions[identity] = Session(identity, now)
+            session = self._sessions[identity] = Session(identity, now, _all_fenced=self.fenced)
         else:
             session.last_seen = now
         return session
