@@ -32,7 +32,11 @@ the descriptor at once, read while the descriptor is still the connection's), an
 :func:`watch_peer_socket` the scan and watch, which may run later on another thread.
 
 Left: an owner the scan cannot see (another user's process, when the server does not
-run as root), holding the same loopback socket as one it sees, is not waited for.
+run as root), holding the same loopback socket as one it sees, is not waited for.  Nor is
+a process whose first thread has exited while others run on (``pthread_exit`` in
+``main``): its ``/proc/<pid>/fd`` and maps read empty, so alone it is not found (its
+fences stay), but beside another holder (a child it forked) only that one is waited for.
+Reading each such process's threads would cost the full scan a listing per kernel thread.
 
 A process found at a connection's far end is the writer of a shared-memory store only if
 it maps the segment itself (:func:`maps_file`; :func:`watch_writer_socket` checks it as
