@@ -77,3 +77,16 @@ def test_stored_keys_and_other_writers_reservations_are_skipped(l1: L1Manager) -
     assert list(reserved) == [fresh]
     assert other.skipped_writes == 1, "the skipped writer counts on the other reservation"
     assert l1.get(writing) is other
+
+
+def test_layouts_stay_with_their_keys_when_some_keys_are_skipped(l1: L1Manager) -> None:
+    stored, first, second = key(1), key(2), key(3)
+    l1.reserve_write([stored], [ALIGN])
+    assert l1.finish_write([stored]) == [True]
+    reserved = l1.reserve_write(
+        [stored, first, first, second],
+        [ALIGN, ALIGN, ALIGN, 100],
+        layouts=["uint8[4096]", "int8[4096]", "uint8[4096]", ""],
+    )
+    assert {name: obj.layout for name, obj in reserved.items()} == {first: "int8[4096]", second: ""}
+    assert reserved[second].extent_bytes == ALIGN

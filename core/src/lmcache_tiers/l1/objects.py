@@ -38,6 +38,10 @@ class L1Object:
     lock_deadline: float = field(default=0.0, repr=False)
     #: tensor layout of the bytes when the writer gave one ("" = unknown); see layout.py
     layout: str = ""
+    #: aligned bytes of its extent (the allocator's length at ``offset``), kept here so that
+    #: the running total of locked extents (``l1/table.py``) costs an add per lock change
+    #: (right after ``layout``: a reservation passes every field up to it by position)
+    extent_bytes: int = field(default=0, repr=False)
     #: committed but its L2 stores are not settled yet: eviction takes it last, and counts it
     unstored: bool = field(default=False, repr=False)
     #: reserved by a prefetch that fills it from L2: only that prefetch may finish or abort it
@@ -53,9 +57,6 @@ class L1Object:
     #: NVMe L1: write-back errors of the file counted when its bytes were written; an error
     #: counted since may have taken them (``l1/access.py``)
     written_in: int = field(default=0, repr=False)
-    #: aligned bytes of its extent (the allocator's length at ``offset``), kept here so that
-    #: the running total of locked extents (``l1/table.py``) costs an add per lock change
-    extent_bytes: int = field(default=0, repr=False)
     #: reserved by a writer that copies into the shared arena itself: if the reservation
     #: expires, its extent is fenced until that writer says it stopped (``l1/leases.py``)
     fenced: bool = field(default=False, repr=False)

@@ -119,7 +119,7 @@ class WriteReservations:
             # that serves every client).
             wanted = dict(zip(keys, sizes, strict=True))
             if len(wanted) == len(keys) and table.objects.keys().isdisjoint(keys):
-                wanted_layouts = dict(zip(keys, layouts, strict=True)) if layouts is not None else {}
+                wanted_layouts = list(layouts) if layouts is not None else [""] * len(keys)
             else:
                 wanted, wanted_layouts = self._sort_out(keys, sizes, layouts, load, loads, writing)
             if not wanted:
@@ -143,20 +143,11 @@ class WriteReservations:
             deadline = time.monotonic() + self.write_ttl_s
             # A batch holds a few distinct sizes (a request's chunks share one): each rounded once.
             extent_of = {size: allocator.extent_size(size) for size in set(wanted.values())}
-            layout_of = wanted_layouts.get
+            # Every field up to ``extent_bytes`` by position: a keyword costs each object
+            # more than the rest of its construction's argument passing.
             reserved = {
-                key: L1Object(
-                    key,
-                    offset,
-                    size,
-                    temporary,
-                    _WRITING,
-                    0,
-                    deadline,
-                    layout_of(key, "") if wanted_layouts else "",
-                    extent_bytes=extent_of[size],
-                )
-                for (key, size), offset in zip(wanted.items(), offsets, strict=True)
+                key: L1Object(key, offset, size, temporary, _WRITING, 0, deadline, layout, extent_of[size])
+                for (key, size), offset, layout in zip(wanted.items(), offsets, wanted_layouts, strict=True)
             }
             table.insert_many(reserved, temporary)
             return reserved
@@ -169,13 +160,13 @@ class WriteReservations:
         load: bool,
         loads: list[L1Object],
         writing: dict[ObjectKey, L1Object],
-    ) -> tuple[dict[ObjectKey, int], dict[ObjectKey, str]]:
-        """The keys of ``reserve`` to reserve, with their sizes and layouts, a repeated key
-        once at its first size; adds the loads it takes over to ``loads``, the writers'
+    ) -> tuple[dict[ObjectKey, int], list[str]]:
+        """The keys of ``reserve`` to reserve with their sizes, a repeated key once at its
+        first size, and their layouts in that order; adds the loads it takes over to ``loads``, the writers'
         reservations it skips to ``writing``.  The caller holds the lock."""
         present_of = self._table.objects.get
         wanted: dict[ObjectKey, int] = {}
-        wanted_layouts: dict[ObjectKey, str] = {}
+        wanted_layouts: list[str] = []
         for position, (key, size) in enumerate(zip(keys, sizes, strict=True)):
             if key in wanted:
                 continue
@@ -188,8 +179,7 @@ class WriteReservations:
                     continue
                 loads.append(present)
             wanted[key] = size
-            if layouts is not None and layouts[position]:
-                wanted_layouts[key] = layouts[position]
+            wanted_layouts.append(layouts[position] if layouts is not None else "")
         return wanted, wanted_layouts
 
     @staticmethod
