@@ -98,6 +98,22 @@ def _set_ioprio(tid: int, idle: bool) -> None:
         raise OSError(errno, os.strerror(errno))
 
 
+# Not os.sched_setscheduler, which keeps the GIL: a thread made idle-class is preempted
+# inside the call by any thread wanting its core, and kept the GIL from the request threads
+# until that core was free again.
+_sched_setscheduler = libc_function(
+    "sched_setscheduler", (ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int))
+)
+
+
+def _set_policy(tid: int, policy: int) -> None:
+    if _sched_setscheduler is None:
+        os.sched_setscheduler(tid, policy, os.sched_param(0))
+    elif _sched_setscheduler(tid, policy, ctypes.byref(ctypes.c_int(0))) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+
+
 def may_leave_idle() -> bool:
     """Whether a thread of this process may go from ``SCHED_IDLE`` back to nice 10."""
     if os.geteuid() == 0:
@@ -222,9 +238,9 @@ class BackgroundThreads:
             return
         try:
             if idle:
-                self._request("idle", lambda: os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0)))
+                self._request("idle", lambda: _set_policy(tid, os.SCHED_IDLE))
             else:
-                self._request("other", lambda: os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0)))
+                self._request("other", lambda: _set_policy(tid, os.SCHED_OTHER))
         except ProcessLookupError:
             self._tids.discard(tid)
 
