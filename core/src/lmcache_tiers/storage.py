@@ -202,7 +202,9 @@ class StorageManager:
             if self._closed and self._still_reserved(reserved):
                 self._check_open()  # as commit_write: refused once closed, if anything is left
             # One pass over the reservations, by object: no look-up of each key per step.
-            committed = [obj.key for obj in self.l1.finish_reserved(reserved)]
+            finished = self.l1.finish_reserved(reserved)
+            # Every reservation committed (the usual case): its keys as they are, no step per key.
+            committed = list(reserved) if len(finished) == len(reserved) else [obj.key for obj in finished]
             queued = to_l2 and self.store.queue(committed)
         # A key still reserved but not committed is one committed before, whose span
         # ended then: ending the committed keys' spans ends every span this call owns.

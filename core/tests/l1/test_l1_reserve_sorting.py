@@ -90,3 +90,12 @@ def test_layouts_stay_with_their_keys_when_some_keys_are_skipped(l1: L1Manager) 
     )
     assert {name: obj.layout for name, obj in reserved.items()} == {first: "int8[4096]", second: ""}
     assert reserved[second].extent_bytes == ALIGN
+
+
+def test_a_commit_of_reservations_all_still_in_l1_makes_each_ready_in_order(l1: L1Manager) -> None:
+    batch = [key(index) for index in range(8)]
+    reserved = l1.reserve_write(batch, [ALIGN] * 8)
+    assert l1.finish_reserved(reserved) == list(reserved.values())
+    assert all(obj.state is ObjectState.READY for obj in reserved.values())
+    assert l1.stats().write_locked == 0
+    assert l1.finish_reserved(reserved) == [], "a reservation is committed once"
