@@ -91,7 +91,14 @@ def test_a_batch_loads_into_l1_by_ranged_reads(adapter: BackendAdapter, arena: m
     finally:
         del backend.connection.store
     assert [bytes(target) for target in targets] == data
-    assert "get_into_ranges" in called and "batch_get_into_multi_buffers" not in called
+    # after the lookup's existence query: one session start (the master asked once for
+    # the whole batch), one ranged read of every record, the sessions ended
+    assert called == [
+        "batch_is_exist",
+        "batch_get_session_start",
+        "batch_get_into_multi_buffer_ranges",
+        "batch_get_session_end",
+    ]
 
 
 def test_an_object_replaced_by_a_larger_record_is_a_miss_kept_and_sized_again(
