@@ -72,3 +72,25 @@ def test_stores_are_refused_while_all_clients_fenced_bytes_reach_their_bound(
     finally:
         for writer in writers:
             writer.close()
+
+
+def test_one_client_stalled_past_its_bound_by_one_reservation_refuses_only_itself(make_server: Any) -> None:
+    # Bounds are checked before reserving, so one reservation takes a client past its own
+    # bound by its size, here past all clients' bound alone: the others still store.
+    server = make_server(**SHORT_TTL)
+    handlers = server.frontends[0].handlers
+    large = 20 << 20
+    assert large > handlers.sessions.fenced.bound > handlers.fenced_bytes_per_client
+    stalled_key, next_key, own_key = keys_of(3)
+    with Client(server.endpoint) as writer, Client(server.endpoint) as other:
+        reply = writer._call(p.StoreReserve(0, "", [stalled_key], [large]), p.StoreReserveReply)
+        assert reply.slots[0].offset != p.NO_SLOT
+        wait_for(
+            lambda: any(session.fenced for session in handlers.sessions), "the stalled reservation fenced"
+        )
+
+        assert other.store([next_key], [bytes(CHUNK)]) == 1
+        with pytest.raises(ServerError) as refused:
+            writer.store([own_key], [bytes(CHUNK)])  # past its own bound
+        assert refused.value.code is p.ErrorCode.OUT_OF_MEMORY
+        assert stats_of(server).failures["store_refused_fenced"] == 0

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import time
 import types
 from collections import Counter
@@ -722,7 +723,9 @@ def test_running_gauges_equal_a_walk_under_any_sequence() -> None:
     pool = [ObjectKey("m", 0, index.to_bytes(8, "big")) for index in range(30)]
     identities = [b"client-%d" % index for index in range(4)]
     for _ in range(20):
-        table = SessionTable(lock_ttl_s=10, write_ttl_s=20, idle_s=15)
+        # each client's fences counted up to its bound in the total, or all of them
+        per_client = rng.choice([None, 20_000])
+        table = SessionTable(lock_ttl_s=10, write_ttl_s=20, idle_s=15, fenced_bytes_per_client=per_client)
         previous: dict[bytes, list[ObjectKey]] = {}
         now = 0.0
         for _ in range(400):
@@ -760,7 +763,9 @@ def test_running_gauges_equal_a_walk_under_any_sequence() -> None:
                 session.writes.clear()
                 session.take_fenced(list(session.fenced))
             assert tuple(table.gauges(now))[:3] == _walked_gauges(table, None)
-            assert table.fenced.held == sum(_walked_fenced_bytes(session) for session in table)
+            assert table.fenced.held == sum(
+                min(_walked_fenced_bytes(session), per_client or sys.maxsize) for session in table
+            )
             assert all(session.fenced_bytes == _walked_fenced_bytes(session) for session in table)
 
 

@@ -182,6 +182,7 @@ class Handlers:
             float(l1.write_ttl_s),
             lock_deadline=l1.lock_deadline,
             fenced_bytes_bound=max(1, int(l1.capacity_bytes) // FENCED_SHARE_OF_L1_ALL_CLIENTS),
+            fenced_bytes_per_client=self.fenced_bytes_per_client,
         )
         self.stopping = threading.Event()
         #: the first frame of the request being handled, set by the RPC loop around its

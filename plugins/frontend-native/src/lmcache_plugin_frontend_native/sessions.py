@@ -391,9 +391,10 @@ class Session:
         self._count_fenced(obj.extent_bytes - (earlier.extent_bytes if earlier is not None else 0))
 
     def _count_fenced(self, nbytes: int) -> None:
-        self.fenced_bytes += nbytes
+        before = self.fenced_bytes
+        self.fenced_bytes = before + nbytes
         if self._all_fenced is not None:
-            self._all_fenced.held += nbytes
+            self._all_fenced.changed(before, self.fenced_bytes)
 
     def take_fenced(self, keys: Iterable[ObjectKey]) -> list[Any]:
         """The expired reservations among ``keys`` (forgotten here): the client committed
@@ -530,8 +531,9 @@ def _forget_expired(held: dict[float, int], now: float) -> None:
 #: shared-memory stores.  Each client is bounded at 1/8 (``handlers.FENCED_SHARE_OF_L1``),
 #: but clients are many, and eviction cannot free a fenced extent: without a bound over them
 #: all, enough stalled or vanished clients pin all of L1 and every store fails.  A quarter
-#: is two clients' bounds: one client stalled at its own bound (the usual fault) never
-#: refuses the others' stores, and three quarters of L1 stay for objects eviction can free.
+#: is two clients' bounds, and each client counts here only up to its own bound: one client
+#: stalled (the usual fault), even past its bound by one large reservation, never refuses the
+#: others' stores, and about three quarters of L1 stay for objects eviction can free.
 FENCED_SHARE_OF_L1_ALL_CLIENTS = 4
 
 
@@ -543,12 +545,25 @@ class FencedBytes:
     commits, aborts or writers' exits give enough back.  Each such episode is logged
     twice, when it starts and when it ends, not once per refused store."""
 
-    def __init__(self, bound: int | None) -> None:
+    def __init__(self, bound: int | None, per_client: int | None = None) -> None:
         #: None: no bound (a table outside a front end)
         self.bound = bound
+        #: what one client's fences count here at most (None: all of them): its own bound,
+        #: which a client passes by the size of one reservation at most (bounds are checked
+        #: before reserving), so that a client alone, stalled with one large reservation,
+        #: refuses only its own stores and never every client's
+        self.per_client = per_client
+        #: every client's fenced bytes, each counted up to ``per_client``
         self.held = 0
         #: stores refused since the bound was reached (0: it was not)
         self.refused = 0
+
+    def changed(self, before: int, after: int) -> None:
+        """One client's fenced bytes went from ``before`` to ``after``."""
+        cap = self.per_client
+        if cap is not None:
+            before, after = min(before, cap), min(after, cap)
+        self.held += after - before
 
     def refuses(self) -> bool:
         """Whether a new store must be refused now (counted here while it is)."""
@@ -603,16 +618,18 @@ class SessionTable:
         *,
         lock_deadline: Callable[[float], float] | None = None,
         fenced_bytes_bound: int | None = None,
+        fenced_bytes_per_client: int | None = None,
     ) -> None:
         """``lock_deadline`` is L1's (``L1Manager.lock_deadline``); without it a lock taken
         at ``now`` expires at ``now`` plus ``lock_ttl_s``.  ``fenced_bytes_bound``: all
-        clients' fenced bytes past which stores are refused (:class:`FencedBytes`)."""
+        clients' fenced bytes past which stores are refused, each client's counted up to
+        ``fenced_bytes_per_client`` (:class:`FencedBytes`)."""
         self.lock_ttl_s = lock_ttl_s
         self.write_ttl_s = write_ttl_s
         self.idle_s = idle_s
         self._lock_deadline = lock_deadline
         self._sessions: dict[bytes, Session] = {}
-        self.fenced = FencedBytes(fenced_bytes_bound)
+        self.fenced = FencedBytes(fenced_bytes_bound, fenced_bytes_per_client)
 
     def get(self, identity: bytes, now: float | None = None) -> Session:
         now = time.monotonic() if now is None else now
