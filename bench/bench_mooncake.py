@@ -12,15 +12,16 @@ pre-faulted buffers, are moved by:
   submitted batch; one key per task for the latencies), given the buffers' arena as its
   L1 (which it registers with its client, as a server does): a record (header and
   checksum) put in a put session, a lookup, a verified read of header and payload (into
-  its registered L1 arena: two ranged reads per record, ``get_into_ranges``).  It too
-  moves a batch in one Mooncake call.  (On a busy machine the client's ranged read is
+  its registered L1 arena: one get session for the batch, then the two ranges of every
+  record in one ``batch_get_into_multi_buffer_ranges``).  It too moves a batch in one
+  Mooncake transfer call.  (On a busy machine the client's ranged read is
   faster than its ``batch_get_into`` on TCP, with half the CPU and without its ~3 ms
   stalls, so there the direct load, the client's plain batched get, is not its fastest
   read of the same bytes);
 * ``records`` -- the client alone storing and reading objects laid out as the adapter's
   records (``batch_put_from_multi_buffers`` of a 4 KiB header scratch and the payload;
-  read as the adapter reads into L1, two ranged reads each, ``get_into_ranges``; one call
-  per batch) with no lookup or checksum: what the record layout costs by itself, so that
+  read as two ranged reads each, ``get_into_ranges``, one call per batch, which asks the
+  master inside the call) with no lookup or checksum: what the record layout costs by itself, so that
   the rest of the gap (the checks and the adapter's threads) can be told apart.
 
 Like for like: a load is timed alone on both sides (the adapter's lookup, which pins the
