@@ -358,6 +358,11 @@ def _hinted_holders(inode: int, hint: int) -> tuple[int, ...]:
     * a forked child (a descendant, found) whose parent exited: an orphan, reparented
       to init or a subreaper, is out of the tree.  A forked child may not use the client,
       so it copies nothing through it; the creator, whose exit is waited for, is found;
+    * the other way round, a HELLO naming such an orphan (a double fork of the creator)
+      while the creator holds the socket and writes: the orphan's ancestors are init or a
+      subreaper, not the creator, so only the orphan is waited for.  The kernel names
+      neither a TCP socket's creator nor how many hold it, so only the full scan tells
+      this apart; the client library says HELLO from the creator, never from a fork;
     * a process the socket was passed to by SCM_RIGHTS while the creator keeps it: the
       library never passes it; a program that does writes outside the client.
 
