@@ -99,3 +99,19 @@ def test_a_commit_of_reservations_all_still_in_l1_makes_each_ready_in_order(l1: 
     assert all(obj.state is ObjectState.READY for obj in reserved.values())
     assert l1.stats().write_locked == 0
     assert l1.finish_reserved(reserved) == [], "a reservation is committed once"
+
+
+def test_a_commit_with_a_reaped_and_a_finished_reservation_makes_only_the_others_ready(
+    l1: L1Manager,
+) -> None:
+    """The commit whose reservations are not all still in L1 is the one the C loops must
+    not wave through: a reaped reservation now another writer's, and one committed
+    before, are left alone while the rest is made ready, in order."""
+    first, reaped, done, last = key(1), key(2), key(3), key(4)
+    reserved = l1.reserve_write([first, reaped, done, last], [ALIGN] * 4)
+    l1.abort_write([reaped])  # as the write TTL's reaping: the key is free for another writer
+    other = l1.reserve_write([reaped], [2 * ALIGN])[reaped]
+    assert l1.finish_write([done]) == [True]
+    assert l1.finish_reserved(reserved) == [reserved[first], reserved[last]]
+    assert other.state is ObjectState.WRITING and l1.get(reaped) is other
+    assert l1.stats().write_locked == 1
