@@ -2,9 +2,9 @@
 
 A front end fencing a shared-memory writer's expired extents waits for that writer's
 process (``peer_process``).  Over loopback TCP the process is found by a scan of every
-process's descriptors (2-7 ms with 100 processes, 27-59 ms with 2,100:
-``bench/bench_peer_scan.py``), which would hold up every client's requests if the loop
-thread ran it.  :class:`ConnectionPeers` is what both front ends use for it:
+process's descriptors (1.0-2.3 ms with 100 processes, 39-93 ms with 2,100 on a loaded
+2-core host: ``bench/bench_peer_scan.py``), which would hold up every client's requests
+if the loop thread ran it.  :class:`ConnectionPeers` is what both front ends use for it:
 
 * the loop reads only what the kernel says of the descriptor at once
   (:func:`~lmcache_tiers.peer_process.peer_socket`: the ``SO_PEERCRED`` pid, or the TCP
