@@ -33,7 +33,7 @@ def test_going_idle_class_and_back_releases_the_gil(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(os, "sched_setscheduler", noting)
     binding = background._sched_setscheduler
     assert binding is not None
-    assert not type(binding)._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # a CDLL call: without the GIL
+    assert not type(binding)._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # type: ignore[attr-defined]  # a CDLL call: without the GIL
     threads = BackgroundThreads(use_idle=True)
     seen: dict[str, int] = {}
 
@@ -51,3 +51,17 @@ def test_going_idle_class_and_back_releases_the_gil(monkeypatch: pytest.MonkeyPa
     worker.join()
     assert seen == {"copying": os.SCHED_IDLE, "after": os.SCHED_OTHER}
     assert through_os == []
+
+
+def test_a_thread_that_ended_is_forgotten_and_idle_is_not_taken_as_refused() -> None:
+    """The C library's ESRCH is a ProcessLookupError, as os raises it: the table forgets
+    the thread instead of logging a refusal and never using idle again."""
+    threads = BackgroundThreads(use_idle=True)
+    gone = (1 << 22) + 1  # above the largest pid_max: no thread has this id
+    with pytest.raises(ProcessLookupError):
+        background._set_policy(gone, os.SCHED_OTHER)
+    threads._tids.add(gone)
+    threads._copying.add(gone)  # as a thread that ended inside a copy
+    threads.hurry(True)
+    assert gone not in threads._tids
+    assert threads.uses_idle and threads._refused == set()

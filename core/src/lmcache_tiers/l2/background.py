@@ -89,13 +89,19 @@ def get_ioprio(tid: int) -> int | None:
     return None if value < 0 else value
 
 
+def _call_error() -> OSError:
+    """The error of the C library call that just failed on this thread, as ``os`` raises
+    it (ESRCH a ProcessLookupError: the thread ended)."""
+    errno = ctypes.get_errno()
+    return OSError(errno, os.strerror(errno))
+
+
 def _set_ioprio(tid: int, idle: bool) -> None:
     numbers = _syscalls()
     if numbers is None or _syscall3 is None:
         raise OSError(f"ioprio_set is not known on {os.uname().machine}")
     if _syscall3(numbers[0], _IOPRIO_WHO_PROCESS, tid, ioprio_value(idle)) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, os.strerror(errno))
+        raise _call_error()
 
 
 # Not os.sched_setscheduler, which keeps the GIL: a thread made idle-class is preempted
@@ -110,8 +116,7 @@ def _set_policy(tid: int, policy: int) -> None:
     if _sched_setscheduler is None:
         os.sched_setscheduler(tid, policy, os.sched_param(0))
     elif _sched_setscheduler(tid, policy, ctypes.byref(ctypes.c_int(0))) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, os.strerror(errno))
+        raise _call_error()
 
 
 def may_leave_idle() -> bool:
