@@ -532,7 +532,7 @@ def _forget_expired(held: dict[float, int], now: float) -> None:
 #: but clients are many, and eviction cannot free a fenced extent: without a bound over them
 #: all, enough stalled or vanished clients pin all of L1 and every store fails.  A quarter
 #: is two clients' bounds, and each client counts here only up to its own bound: one client
-#: stalled (the usual fault), even past its bound by one large reservation, never refuses the
+#: stalled (the usual fault), even past its bound by large reservations, never refuses the
 #: others' stores, and about three quarters of L1 stay for objects eviction can free.
 FENCED_SHARE_OF_L1_ALL_CLIENTS = 4
 
@@ -549,9 +549,9 @@ class FencedBytes:
         #: None: no bound (a table outside a front end)
         self.bound = bound
         #: what one client's fences count here at most (None: all of them): its own bound,
-        #: which a client passes by the size of one reservation at most (bounds are checked
-        #: before reserving), so that a client alone, stalled with one large reservation,
-        #: refuses only its own stores and never every client's
+        #: which a client passes by all it held reserved while under it (bounds are checked
+        #: against what is fenced, before reserving), so that a client alone, stalled with
+        #: large reservations, refuses only its own stores, never every client's
         self.per_client = per_client
         #: every client's fenced bytes, each counted up to ``per_client``
         self.held = 0
