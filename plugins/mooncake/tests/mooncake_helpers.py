@@ -26,11 +26,14 @@ def config_for(cluster: LocalCluster, **fields: Any) -> MooncakeStoreConfig:
 
 
 def open_adapter(
-    config: MooncakeStoreConfig, serde: tuple[Serde, ...] = (), name: str = "0:mooncake_store"
+    config: MooncakeStoreConfig,
+    serde: tuple[Serde, ...] = (),
+    name: str = "0:mooncake_store",
+    l1_buffer: memoryview | None = None,
 ) -> BackendAdapter:
-    adapter = create_adapter(
-        MooncakeStoreBackend, config, AdapterContext(index=0, name=name, config=config, serde=serde)
-    )
+    """An adapter on ``config``; ``l1_buffer``: its L1 arena (registered with its client)."""
+    context = AdapterContext(index=0, name=name, config=config, serde=serde, l1_buffer=l1_buffer)
+    adapter = create_adapter(MooncakeStoreBackend, config, context)
     assert isinstance(adapter, BackendAdapter)
     return adapter
 

@@ -7,13 +7,16 @@ from __future__ import annotations
 import mmap
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+from lmcache_plugin_mooncake.backend import MooncakeStoreBackend
 from lmcache_plugin_mooncake.cluster import LocalCluster
 from lmcache_plugin_mooncake.headers import HEADER_BYTES, address_of
-from mooncake_helpers import backend_of, config_for
+from mooncake_helpers import backend_of, config_for, open_adapter
 
-from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import BackendAdapter
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import make_keys, pattern
 
@@ -31,12 +34,7 @@ def arena() -> memoryview:
 
 @pytest.fixture
 def adapter(mooncake_pool: LocalCluster, arena: memoryview) -> Iterator[BackendAdapter]:
-    from lmcache_plugin_mooncake.backend import MooncakeStoreBackend
-
-    config = config_for(mooncake_pool)
-    context = AdapterContext(index=0, name="0:mooncake_store", config=config, l1_buffer=arena)
-    opened = create_adapter(MooncakeStoreBackend, config, context)
-    assert isinstance(opened, BackendAdapter)
+    opened = open_adapter(config_for(mooncake_pool), l1_buffer=arena)
     yield opened
     opened.close()
 
@@ -47,19 +45,12 @@ def test_loads_of_the_same_keys_at_once_all_hit_and_end_every_session(
     """Threads loading the same keys over and over (batches in rotated orders, so their
     sessions start and end interleaved) all read every record whole and verified; once
     they are done no session is left open in the client."""
-    keys = make_keys(KEYS)
-    data = [pattern(i, SIZE) for i in range(KEYS)]
-    sources = [arena[i * SIZE : (i + 1) * SIZE] for i in range(KEYS)]
-    for source, payload in zip(sources, data, strict=True):
-        source[:] = payload
-    assert BlockingAdapterClient(adapter).store(keys, sources) == [True] * KEYS
+    keys, data = _stored(adapter, arena)
     backend = backend_of(adapter)
-    assert backend.connection.l1_registered, "loads into L1 read under sessions"
     failures: list[str] = []
 
     def load_repeatedly(thread: int) -> None:
-        base = (1 + thread) * KEYS * SIZE
-        targets = [arena[base + i * SIZE : base + (i + 1) * SIZE] for i in range(KEYS)]
+        targets = _targets(arena, 1 + thread)
         for round_ in range(ROUNDS):
             order = [(round_ + thread + i) % KEYS for i in range(KEYS)][: 1 + (round_ + thread) % KEYS]
             ok = backend.get_many_into([keys[i] for i in order], [targets[i] for i in order])
@@ -77,13 +68,127 @@ def test_loads_of_the_same_keys_at_once_all_hit_and_end_every_session(
     assert failures == []
     assert adapter.stats().get("load_failures", 0) == 0
     assert backend._sessions.open == 0
-    # every session ended in the client too: a read under none is refused (-600)
-    store, slot = backend.connection.store(), arena[KEYS * SIZE :]
+    assert not _session_left(backend, arena, keys[0]), "a session was left open in the client"
+
+
+def test_a_load_ending_while_another_of_its_key_reads_leaves_that_ones_session(
+    adapter: BackendAdapter, arena: memoryview
+) -> None:
+    """A load of a key runs whole -- its session started, read and done -- while another
+    load of that key sits between its session start and its read: the later read still
+    finds the session (the client keeps one per name, and the first end would drop it),
+    a hit of the stored bytes; the last of the two ends it."""
+    keys, data = _stored(adapter, arena)
+    backend = backend_of(adapter)
+    real = backend.connection.store()
+    started, finished = threading.Event(), threading.Event()
+    held: list[threading.Thread] = []
+
+    class HoldFirstRead:
+        """The client, but the held thread's read waits for the other load to finish."""
+
+        def __getattr__(self, attribute: str) -> Any:
+            return getattr(real, attribute)
+
+        def batch_get_into_multi_buffer_ranges(self, *args: Any) -> list[int]:
+            if threading.current_thread() in held:
+                started.set()
+                assert finished.wait(60), "the other load did not finish"
+            return list(real.batch_get_into_multi_buffer_ranges(*args))
+
+    held_client = HoldFirstRead()
+    backend.connection.store = lambda: held_client  # type: ignore[method-assign]
+    first, second = _targets(arena, 1), _targets(arena, 2)
+    answers: list[list[bool]] = []
+    thread = threading.Thread(target=lambda: answers.append(backend.get_many_into(keys, first)))
+    held.append(thread)
+    try:
+        thread.start()
+        assert started.wait(60), "the held load did not reach its read"
+        assert backend.get_many_into(keys[:1], second[:1]) == [True]
+        finished.set()
+        thread.join()
+    finally:
+        finished.set()
+        del backend.connection.store
+    assert answers == [[True] * KEYS]
+    assert [bytes(target) for target in first] == data
+    assert adapter.stats().get("load_failures", 0) == 0
+    assert backend._sessions.open == 0
+    assert not _session_left(backend, arena, keys[0])
+
+
+def test_a_load_failing_mid_batch_ends_its_sessions(adapter: BackendAdapter, arena: memoryview) -> None:
+    """A read that raises inside the batch (the load fails, a backend error) leaves no
+    session counted in the adapter nor open in the client."""
+    keys, _ = _stored(adapter, arena)
+    backend = backend_of(adapter)
+    real = backend.connection.store()
+
+    class FailingRead:
+        def __getattr__(self, attribute: str) -> Any:
+            return getattr(real, attribute)
+
+        def batch_get_into_multi_buffer_ranges(self, *args: Any) -> list[int]:
+            raise RuntimeError("transfer engine gone")
+
+    failing_client = FailingRead()
+    backend.connection.store = lambda: failing_client  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError, match="transfer engine gone"):
+            backend.get_many_into(keys, _targets(arena, 1))
+    finally:
+        del backend.connection.store
+    assert backend._sessions.open == 0
+    assert not any(_session_left(backend, arena, key) for key in keys)
+
+
+def test_keys_of_a_batch_missing_from_the_pool_are_misses_and_the_rest_hits(
+    adapter: BackendAdapter, arena: memoryview, raw: Any
+) -> None:
+    """Sessions start for some keys of a batch only (the others removed since the
+    lookup): each key's answer is its own -- the missing ones misses counted as vanished,
+    the others hits of their own bytes -- and every session is ended."""
+    keys, data = _stored(adapter, arena)
+    backend = backend_of(adapter)
+    for gone in (0, 2):
+        assert raw.remove(backend.names.of(keys[gone]), True) == 0
+    targets = _targets(arena, 1)
+    assert backend.get_many_into(keys, targets) == [False, True, False, True]
+    assert [bytes(targets[i]) for i in (1, 3)] == [data[1], data[3]]
+    assert adapter.stats().get("load_vanished", 0) == 2
+    assert adapter.stats().get("load_failures", 0) == 0
+    assert backend._sessions.open == 0
+    assert not any(_session_left(backend, arena, keys[i]) for i in (1, 3))
+
+
+def _stored(adapter: BackendAdapter, arena: memoryview) -> tuple[list[ObjectKey], list[bytes]]:
+    """``KEYS`` records stored from the first part of the arena: their keys and payloads."""
+    keys = make_keys(KEYS)
+    data = [pattern(i, SIZE) for i in range(KEYS)]
+    sources = _targets(arena, 0)
+    for source, payload in zip(sources, data, strict=True):
+        source[:] = payload
+    assert BlockingAdapterClient(adapter).store(keys, sources) == [True] * KEYS
+    assert backend_of(adapter).connection.l1_registered, "loads into L1 read under sessions"
+    return keys, data
+
+
+def _targets(arena: memoryview, part: int) -> list[memoryview]:
+    """The buffers of part ``part`` of the arena (0: the stored payloads), one per key."""
+    base = part * KEYS * SIZE
+    return [arena[base + i * SIZE : base + (i + 1) * SIZE] for i in range(KEYS)]
+
+
+def _session_left(backend: MooncakeStoreBackend, arena: memoryview, key: ObjectKey) -> bool:
+    """Whether the adapter's client still holds a get session of ``key``: a read under
+    none is refused (-600)."""
+    store, slot = backend.connection.store(), _targets(arena, THREADS)[0]
     with backend.lanes.lane(5.0) as lane:
         codes = store.batch_get_into_multi_buffer_ranges(
-            [backend.names.of(keys[0])],
-            [[lane.address(0), address_of(slot[:SIZE])]],
+            [backend.names.of(key)],
+            [[lane.address(0), address_of(slot)]],
             [[HEADER_BYTES, SIZE]],
             [[0, HEADER_BYTES]],
         )
-    assert codes[0] < 0, "a session was left open in the client"
+    return bool(codes[0] >= 0)

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from lmcache_plugin_mooncake.cluster import LocalCluster, NotedCalls
 from lmcache_plugin_mooncake.headers import HEADER_BYTES
-from mooncake_helpers import backend_of, config_for
+from mooncake_helpers import backend_of, config_for, open_adapter
 
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
+from lmcache_tiers.l2 import BackendAdapter
 from lmcache_tiers.l2.record import encode_header
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import make_keys, pattern
@@ -31,12 +31,7 @@ def arena() -> memoryview:
 
 @pytest.fixture
 def adapter(mooncake_pool: LocalCluster, arena: memoryview) -> Iterator[BackendAdapter]:
-    from lmcache_plugin_mooncake.backend import MooncakeStoreBackend
-
-    config = config_for(mooncake_pool)
-    context = AdapterContext(index=0, name="0:mooncake_store", config=config, l1_buffer=arena)
-    opened = create_adapter(MooncakeStoreBackend, config, context)
-    assert isinstance(opened, BackendAdapter)
+    opened = open_adapter(config_for(mooncake_pool), l1_buffer=arena)
     yield opened
     opened.close()
 
