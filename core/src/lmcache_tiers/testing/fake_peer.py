@@ -43,10 +43,19 @@ class FakePeer:
         self._answer = answer
         self._hello = dict(hello or {})
         self._stop = threading.Event()
+        #: what ended the serving thread early (an answer that raised): raised again by
+        #: :meth:`close`, or the test would see only its client timing out
+        self._failed: BaseException | None = None
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
+        try:
+            self._serve_until_closed()
+        except BaseException as exc:
+            self._failed = exc
+
+    def _serve_until_closed(self) -> None:
         while not self._stop.is_set():
             if not self.socket.poll(_POLL_MS):
                 continue
@@ -70,6 +79,8 @@ class FakePeer:
         self._stop.set()
         joined(self._thread, f"the fake peer {self._thread.name}")
         self.socket.close(0)
+        if self._failed is not None:
+            raise AssertionError(f"the fake peer {self._thread.name} stopped serving") from self._failed
 
     def __enter__(self) -> FakePeer:
         return self
