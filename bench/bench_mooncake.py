@@ -20,9 +20,9 @@ pre-faulted buffers, are moved by:
   read of the same bytes);
 * ``records`` -- the client alone storing and reading objects laid out as the adapter's
   records (``batch_put_from_multi_buffers`` of a 4 KiB header scratch and the payload;
-  read as two ranged reads each, ``get_into_ranges``, one call per batch, which asks the
-  master inside the call) with no lookup or checksum: what the record layout costs by itself, so that
-  the rest of the gap (the checks and the adapter's threads) can be told apart.
+  read as the adapter reads them into L1, under one get session for the batch) with no
+  lookup or checksum: what the record layout costs by itself, so that the rest of the gap
+  (the checks and the adapter's threads) can be told apart.
 
 Like for like: a load is timed alone on both sides (the adapter's lookup, which pins the
 keys, runs untimed before it -- the client needs none to read); a lookup is timed next
@@ -142,18 +142,17 @@ class Direct:
 
     def get_records(self, names: list[str], size: int) -> None:
         """Those objects read as the adapter reads its records into its L1 arena, without
-        verifying them: two ranged reads each in one call, the header into the scratch,
-        the payload into the destination."""
-        count = len(names)
-        answer = self.store.get_into_ranges(
-            [self.headers, self.dst],
-            [names, names],
-            [[[i * HEADER_BYTES] for i in range(count)], [[i * size] for i in range(count)]],
-            [[[0]] * count, [[HEADER_BYTES]] * count],
-            [[[HEADER_BYTES]] * count, [[size]] * count],
-        )
-        headers, payloads = ({ranges[0] for ranges in part} for part in answer)
-        assert headers == {HEADER_BYTES} and payloads == {size}, (headers, payloads)
+        verifying them: one get session for the batch, then each record's header into the
+        scratch and payload into the destination, in one call."""
+        assert self.store.batch_get_session_start(names) == [0] * len(names)
+        try:
+            pointers, sizes = self._record_parts(names, self.dst, size)
+            codes = self.store.batch_get_into_multi_buffer_ranges(
+                names, pointers, sizes, [[0, HEADER_BYTES]] * len(names)
+            )
+        finally:
+            self.store.batch_get_session_end(names)
+        assert set(codes) == {HEADER_BYTES + size}, set(codes)
 
     def exists(self, names: list[str]) -> None:
         """Ask the master whether the names exist, as a client does before reading."""

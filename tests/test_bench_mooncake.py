@@ -53,6 +53,12 @@ def test_the_records_row_reads_them_as_the_adapter_reads_into_l1(cluster: Any) -
     finally:
         direct.remove(names)
         direct.store.store.close()
-    assert called[1:3] == ["get_into_ranges", "batch_remove"], called
+    # under one get session for the batch, as the adapter's load into L1
+    assert called[1:5] == [
+        "batch_get_session_start",
+        "batch_get_into_multi_buffer_ranges",
+        "batch_get_session_end",
+        "batch_remove",
+    ], called
     assert dst.tobytes() == src.tobytes()
     assert bytes(headers) == written_headers, "each header read back into the scratch"
