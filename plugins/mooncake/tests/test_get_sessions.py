@@ -5,6 +5,7 @@ sessions under their reads.  Against a real master."""
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -160,6 +161,44 @@ def test_keys_of_a_batch_missing_from_the_pool_are_misses_and_the_rest_hits(
     assert adapter.stats().get("load_failures", 0) == 0
     assert backend._sessions.open == 0
     assert not any(_session_left(backend, arena, keys[i]) for i in (1, 3))
+
+
+def test_an_object_replaced_between_session_start_and_read_is_never_handed_out(
+    adapter: BackendAdapter, arena: memoryview, raw: Any
+) -> None:
+    """Another party removes the record after the load's session started and puts an
+    object of other bytes of the same size (the pool may place it where the record was,
+    which the session still reads): the load is a hit of the stored bytes (the old memory
+    still held them) or a counted miss, never the other bytes."""
+    keys, data = _stored(adapter, arena)
+    backend = backend_of(adapter)
+    real = backend.connection.store()
+    name, other = backend.names.of(keys[0]), backend.names.of(keys[0]) + "-other"
+    garbage = os.urandom(HEADER_BYTES + SIZE)
+
+    class ReplaceBeforeRead:
+        def __getattr__(self, attribute: str) -> Any:
+            return getattr(real, attribute)
+
+        def batch_get_into_multi_buffer_ranges(self, *args: Any) -> list[int]:
+            assert raw.remove(name, True) == 0 and raw.put(other, garbage) == 0
+            return list(real.batch_get_into_multi_buffer_ranges(*args))
+
+    replacing_client = ReplaceBeforeRead()
+    backend.connection.store = lambda: replacing_client  # type: ignore[method-assign]
+    target = _targets(arena, 1)[0]
+    try:
+        (ok,) = backend.get_many_into(keys[:1], [target])
+    finally:
+        del backend.connection.store
+        raw.remove(other, True)
+    if ok:
+        assert bytes(target) == data[0]
+    else:
+        stats = adapter.stats()
+        counted = ("corrupt_records_removed", "corrupt_reads_replaced", "load_failures", "load_vanished")
+        assert sum(stats.get(counter, 0) for counter in counted) == 1, stats
+    assert backend._sessions.open == 0
 
 
 def _stored(adapter: BackendAdapter, arena: memoryview) -> tuple[list[ObjectKey], list[bytes]]:
