@@ -1029,7 +1029,9 @@ class MooncakeStoreBackend:
                 else:
                     # -600, -800: the object is not the size the lookup reported (replaced
                     # since by another writer), or -800: its segment host died or hangs
-                    # (the transfer failed): a miss, and the next lookup sizes it again
+                    # (the transfer failed), or -600: its get session was dropped by
+                    # another load's failed start (see .sessions): a miss, and the next
+                    # lookup sizes it again
                     self._size_changed(name)
                     self.context.count("load_failures")
                     self._throttle.warn(

@@ -8,7 +8,13 @@ not one per caller: a second start of a name replaces it, and one end drops it u
 every other load still reading it (their reads fail, -600: a miss).  So the loads of a
 name are counted here and only the last one to finish ends its session -- under the same
 lock that counts a load in, so an end never falls between a later load's count and its
-start.  (Ending is local to the client: no master round trip under the lock.)
+start.  (Ending is local to the client: no master round trip under the lock.)  A start
+that fails (the object gone since) drops the name's session as well: a load still
+reading it then misses, counted as a failed read.
+
+A session keeps the replica it started with: an object removed since is read from the
+memory it had, which the pool may have given to another object by then -- a torn or
+foreign record that the load's verification turns into a counted miss.
 """
 
 from __future__ import annotations
