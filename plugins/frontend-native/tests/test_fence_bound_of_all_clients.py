@@ -1,14 +1,21 @@
-"""All clients' fenced extents together are bounded: past a quarter of L1, every new
-STORE_RESERVE is refused (a miss, safe), counted and logged once per episode, until a
-commit, abort or exit gives enough back.
+"""The fenced extents of clients whose exit the server cannot see ("unwatched") are bounded
+together: past a quarter of L1, such clients' new STORE_RESERVEs are refused (a miss,
+safe), counted and logged once per episode, until a commit or abort gives enough back.
+Watched clients store on whatever others hold: their fences lift when their processes exit.
 
-Each client alone is bounded at an eighth of L1; without a bound over them all, clients
-each under their own bound (stalled past the write TTL, or never coming back) would pin
-all of L1, which eviction cannot free, and every store would fail."""
+Each client alone is bounded at an eighth of L1; a stream of unwatched clients (a relay
+coming back under new identities), each stalled under its own bound, would otherwise pin
+all of L1, which eviction cannot free.  Clients here run in the test's process, which maps
+the arena: watched through the kernel, or through their HELLO pid where the lookup of
+their connection names no process.  One whose lookup names none and whose HELLO names no
+process (pid 0, as a client of another pid namespace behind a relay may as well) cannot be
+watched."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import ExitStack
 from typing import Any
 
 import pytest
@@ -16,6 +23,7 @@ from native_keys import keys_of, stats_of
 from native_stop import wait_for
 
 from lmcache_tiers.client import Client, ServerError
+from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.wire import protocol as p
 
 #: a write TTL short enough for the server's own sweep and reap to expire a reservation
@@ -24,54 +32,108 @@ SHORT_TTL = {"l1_write_ttl_s": 1.0, "l1_lock_ttl_s": 1.0}
 #: 6 MiB each stay under their client's bound and reach the bound of all
 CHUNK = 6 << 20
 STALLED_CLIENTS = 3
+STARTED = "new STORE_RESERVEs of such clients are refused"
+ENDED = "new stores are accepted again"
 
 
-def test_stores_are_refused_while_all_clients_fenced_bytes_reach_their_bound(
-    make_server: Any, caplog: pytest.LogCaptureFixture
+def handlers_of(server: TiersServer) -> Any:
+    frontend: Any = server.frontends[0]
+    return frontend.handlers
+
+
+def lookups_name_no_process(server: TiersServer) -> None:
+    """Every connection's lookup ends naming no process: its client's HELLO pid stands in."""
+    handlers_of(server).writers.scan = lambda peer: None
+
+
+def unwatched(client: Client) -> Client:
+    """``client`` says its process is pid 0: nothing here can watch it."""
+    client._call(p.Hello(0, client._token, p.PROTOCOL_VERSION, "relay", 0), p.HelloReply)
+    return client
+
+
+def stall(server: TiersServer, writers: list[Client], keys: list[Any]) -> None:
+    """Each writer reserves a chunk and never copies into nor commits it, alive: fenced
+    once it expires, its lookups ended."""
+    handlers = handlers_of(server)
+    for writer, key in zip(writers, keys, strict=True):
+        reply = writer._call(p.StoreReserve(0, "", [key], [CHUNK]), p.StoreReserveReply)
+        assert reply.slots[0].offset != p.NO_SLOT
+    wait_for(
+        lambda: sum(bool(session.fenced) for session in handlers.sessions) == len(writers),
+        "every stalled reservation fenced with its client's",
+    )
+    wait_for(
+        lambda: all(
+            writer is None or writer.armed.is_set()
+            for session in handlers.sessions
+            for writer in session.writers
+        ),
+        "every stalled writer's lookup ended",
+    )
+    each = [session.fenced_bytes for session in handlers.sessions if session.fenced]
+    assert all(0 < held < handlers.fenced_bytes_per_client for held in each), each
+    assert handlers.sessions.fenced.held >= handlers.sessions.fenced.bound
+
+
+@pytest.fixture
+def clients(make_server: Any) -> Iterator[tuple[TiersServer, ExitStack]]:
+    with ExitStack() as stack:
+        yield make_server(**SHORT_TTL), stack
+
+
+def test_watched_clients_stalled_past_the_bound_refuse_no_other_clients_store(
+    clients: tuple[TiersServer, ExitStack],
 ) -> None:
-    server = make_server(**SHORT_TTL)
-    handlers = server.frontends[0].handlers
+    # One hung engine's processes, alive and watched: their fences lift when they exit,
+    # so the other engines store on in the rest of L1.
+    server, stack = clients
     *stalled_keys, next_key = keys_of(STALLED_CLIENTS + 1)
+    writers = [stack.enter_context(Client(server.endpoint)) for _ in range(STALLED_CLIENTS)]
+    other = stack.enter_context(Client(server.endpoint))
+    stall(server, writers, stalled_keys)
+    handlers = handlers_of(server)
+    assert not any(handlers.writers.unwatched(s.identity, s.writers) for s in handlers.sessions if s.fenced)
+
+    assert other.store([next_key], [bytes(CHUNK)]) == 1
+    assert stats_of(server).failures["store_refused_fenced"] == 0
+
+
+def test_unwatched_clients_past_the_bound_refuse_only_unwatched_clients_stores_until_back_under(
+    clients: tuple[TiersServer, ExitStack], caplog: pytest.LogCaptureFixture
+) -> None:
+    server, stack = clients
+    lookups_name_no_process(server)
     caplog.set_level(logging.WARNING, logger="lmcache_plugin_frontend_native")
-    writers = [Client(server.endpoint) for _ in range(STALLED_CLIENTS)]
-    try:
-        with Client(server.endpoint) as other:
-            for writer, key in zip(writers, stalled_keys, strict=True):
-                # Reserved and never copied into nor committed: the writer stalled, alive.
-                reply = writer._call(p.StoreReserve(0, "", [key], [CHUNK]), p.StoreReserveReply)
-                assert reply.slots[0].offset != p.NO_SLOT
-            wait_for(
-                lambda: sum(bool(session.fenced) for session in handlers.sessions) == STALLED_CLIENTS,
-                "every stalled reservation fenced with its client's",
-            )
-            each = [
-                sum(obj.extent_bytes for obj in session.fenced.values())
-                for session in handlers.sessions
-                if session.fenced
-            ]
-            assert all(0 < held < handlers.fenced_bytes_per_client for held in each), each
+    *stalled_keys, next_key, watched_key = keys_of(STALLED_CLIENTS + 2)
+    writers = [unwatched(stack.enter_context(Client(server.endpoint))) for _ in range(STALLED_CLIENTS)]
+    relay = unwatched(stack.enter_context(Client(server.endpoint)))
+    engine = stack.enter_context(Client(server.endpoint))
+    stall(server, writers, stalled_keys)
 
-            # A client holding no fence is refused as well: L1 is not there for it.
-            for _ in range(2):
-                with pytest.raises(ServerError) as refused:
-                    other.store([next_key], [bytes(CHUNK)])
-                assert refused.value.code is p.ErrorCode.OUT_OF_MEMORY
-            stats = stats_of(server)
-            assert stats.failures["store_refused_fenced"] == 2
-            assert stats.store_keys_refused["out_of_memory"] == 2
-            started = [r for r in caplog.records if "every new STORE_RESERVE is refused" in r.getMessage()]
-            assert len(started) == 1, "an episode is logged once, not per refused store"
+    # Another client that cannot be watched is refused: its fences would pin L1 as well.
+    for _ in range(2):
+        with pytest.raises(ServerError) as refused:
+            relay.store([next_key], [bytes(CHUNK)])
+        assert refused.value.code is p.ErrorCode.OUT_OF_MEMORY
+    stats = stats_of(server)
+    assert stats.failures["store_refused_fenced"] == 2
+    assert stats.store_keys_refused["out_of_memory"] == 2
+    started = [r for r in caplog.records if STARTED in r.getMessage()]
+    assert len(started) == 1, "an episode is logged once, not per refused store"
 
-            # One stalled client says its copy ended: its fence lifts, stores go through.
-            done = writers[0]._call(p.StoreCommit(0, "", [stalled_keys[0]]), p.StoreReply).done
-            assert done == [False]  # its reservation was reaped: nothing stored
-            assert other.store([next_key], [bytes(CHUNK)]) == 1
-            assert stats_of(server).failures["store_refused_fenced"] == 2
-            ended = [r for r in caplog.records if "new stores are accepted again" in r.getMessage()]
-            assert len(ended) == 1 and "2 were refused meanwhile" in ended[0].getMessage()
-    finally:
-        for writer in writers:
-            writer.close()
+    # A watched client stores: its own fences would lift at its exit.
+    assert engine.store([watched_key], [bytes(CHUNK)]) == 1
+    assert stats_of(server).failures["store_refused_fenced"] == 2
+    assert not [r for r in caplog.records if ENDED in r.getMessage()], "the episode goes on"
+
+    # One stalled client says its copy ended: its fence lifts, stores go through.
+    done = writers[0]._call(p.StoreCommit(0, "", [stalled_keys[0]]), p.StoreReply).done
+    assert done == [False]  # its reservation was reaped: nothing stored
+    assert relay.store([next_key], [bytes(CHUNK)]) == 1
+    assert stats_of(server).failures["store_refused_fenced"] == 2
+    ended = [r for r in caplog.records if ENDED in r.getMessage()]
+    assert len(ended) == 1 and "2 were refused meanwhile" in ended[0].getMessage()
 
 
 def test_one_client_stalled_past_its_bound_by_one_reservation_refuses_only_itself(make_server: Any) -> None:

@@ -718,6 +718,10 @@ def _walked_fenced_bytes(session: sessions.Session) -> int:
     return sum(obj.extent_bytes for obj in session.fenced.values())
 
 
+#: the clients of the randomized test whose exit cannot be seen
+UNWATCHED = {b"client-0", b"client-1"}
+
+
 def test_running_gauges_equal_a_walk_under_any_sequence() -> None:
     rng = random.Random(43)
     pool = [ObjectKey("m", 0, index.to_bytes(8, "big")) for index in range(30)]
@@ -767,6 +771,12 @@ def test_running_gauges_equal_a_walk_under_any_sequence() -> None:
                 min(_walked_fenced_bytes(session), per_client or sys.maxsize) for session in table
             )
             assert all(session.fenced_bytes == _walked_fenced_bytes(session) for session in table)
+            # the clients whose exit cannot be seen, counted by a walk of those holding fences
+            assert table.fenced.unwatched_held(lambda held: held.identity in UNWATCHED) == sum(
+                min(_walked_fenced_bytes(session), per_client or sys.maxsize)
+                for session in table
+                if session.identity in UNWATCHED
+            )
 
 
 class _WalkedLocks(dict):  # type: ignore[type-arg]
@@ -822,3 +832,38 @@ def test_a_sweep_looks_only_at_the_locks_that_expired() -> None:
     assert table.gauges(now=15.0).locked_keys == 500
     table.sweep(now=25.0)
     assert session.empty
+
+
+def test_the_bound_of_fenced_bytes_refuses_only_unwatched_clients_while_theirs_reach_it() -> None:
+    table = SessionTable(
+        lock_ttl_s=10, write_ttl_s=20, fenced_bytes_bound=10_000, fenced_bytes_per_client=6_000
+    )
+    unwatched = {b"relay-1", b"relay-2", b"relay-3"}
+
+    def is_unwatched(session: sessions.Session) -> bool:
+        return session.identity in unwatched
+
+    def stall(identity: bytes, key: ObjectKey, nbytes: int) -> sessions.Session:
+        session = table.get(identity, now=0.0)
+        session.add_writes({key: reserved(identity.decode(), nbytes)}, deadline=1.0)
+        table.sweep(now=2.0)
+        return session
+
+    def asks(identity: bytes) -> bool:
+        return table.fenced.refuses(table.get(identity, now=2.0), is_unwatched, is_unwatched)
+
+    # watched clients past the bound together: nobody is refused, and no walk is needed
+    # to tell while all clients' bytes stay under it
+    stall(b"engine-1", A, 8_000)
+    stall(b"engine-2", B, 8_000)
+    assert table.fenced.held == 12_000
+    assert not asks(b"relay-1") and not asks(b"engine-3")
+    # unwatched clients past it (each counted up to its bound): only their kind is refused
+    stall(b"relay-1", A, 5_000)
+    relay = stall(b"relay-2", C, 9_000)
+    assert asks(b"relay-1") and asks(b"relay-3")
+    assert table.fenced.unwatched == 11_000
+    assert not asks(b"engine-1")
+    assert table.fenced.refused == 2  # a watched client's store does not end the episode
+    relay.take_fenced([C])
+    assert not asks(b"relay-1") and table.fenced.refused == 0

@@ -473,7 +473,8 @@ class Handlers:
         reservations take more: past its bound of fenced bytes, or for a key whose expired
         reservation it has not committed or aborted yet (that commit or abort is what
         gives the fenced extent back, so there must be one reservation of the key it can
-        name), or while all clients' fenced bytes reach their bound (``FencedBytes``).
+        name), or, for a client whose exit cannot be seen, while such clients' fenced bytes
+        reach their bound (``FencedBytes``).
         Refused stores are counted (``store_keys_refused{reason="out_of_memory"}``) and
         logged by the RPC loop."""
         fenced_bytes = session.fenced_bytes
@@ -492,13 +493,27 @@ class Handlers:
                 "be copied into; commit or abort it before storing the key again",
             )
         all_fenced = self.sessions.fenced
-        if all_fenced.refuses():
+        if all_fenced.refuses(session, self._unwatched_requester, self._unwatched):
             self.stats.failure("store_refused_fenced")
             raise HandlerError(
                 p.ErrorCode.OUT_OF_MEMORY,
-                f"all clients' expired write reservations hold {all_fenced.held} bytes of L1 "
-                f"(limit {all_fenced.bound}); stores are refused until their clients commit or abort them",
+                f"clients whose exit cannot be seen, this one among them, hold {all_fenced.unwatched} "
+                f"bytes of L1 in expired write reservations (limit {all_fenced.bound}); their stores "
+                "are refused until they commit or abort them",
             )
+
+    def _unwatched(self, session: Session) -> bool:
+        """Whether the exit of ``session``'s writers cannot be seen (``writers.py``)."""
+        return self.writers.unwatched(session.identity, session.writers)
+
+    def _unwatched_requester(self, session: Session) -> bool:
+        """Whether the client storing now, on this connection, is one whose exit cannot be
+        seen: its lookup is run here if pending (once per connection, and only while
+        unwatched clients' fences reach their bound), or each new connection of a client
+        that cannot be watched would be let store while its lookup waits."""
+        current = self.writers.of_request(self._source_fd(), session.identity)
+        holds = bool(session.writes or session.fenced)
+        return self.writers.unwatched(session.identity, [*session.writers, current], settle=True, holds=holds)
 
     def _skips(self, keys: Sequence[ObjectKey], reserved: Mapping[ObjectKey, Any]) -> Counter[str]:
         """Why the keys of a store that L1 did not reserve were skipped.  Only asked when

@@ -394,7 +394,7 @@ class Session:
         before = self.fenced_bytes
         self.fenced_bytes = before + nbytes
         if self._all_fenced is not None:
-            self._all_fenced.changed(before, self.fenced_bytes)
+            self._all_fenced.changed(self, before, self.fenced_bytes)
 
     def take_fenced(self, keys: Iterable[ObjectKey]) -> list[Any]:
         """The expired reservations among ``keys`` (forgotten here): the client committed
@@ -527,23 +527,32 @@ def _forget_expired(held: dict[float, int], now: float) -> None:
         del held[deadline]
 
 
-#: all clients' fenced extents together past 1/this of L1 refuse every client's new
-#: shared-memory stores.  Each client is bounded at 1/8 (``handlers.FENCED_SHARE_OF_L1``),
-#: but clients are many, and eviction cannot free a fenced extent: without a bound over them
-#: all, enough stalled or vanished clients pin all of L1 and every store fails.  A quarter
-#: is two clients' bounds, and each client counts here only up to its own bound: one client
-#: stalled (the usual fault), even past its bound by large reservations, never refuses the
-#: others' stores, and about three quarters of L1 stay for objects eviction can free.
+#: the fenced extents of clients whose exit cannot be seen past 1/this of L1 refuse those
+#: clients' new shared-memory stores.  Each client is bounded at 1/8
+#: (``handlers.FENCED_SHARE_OF_L1``), and eviction cannot free a fenced extent; a client
+#: whose process is watched gives its fences back when it exits, but one the server cannot
+#: watch (another pid namespace, another host, a relay) holds them until it commits or
+#: aborts, and a stream of such clients under new identities, each stalled under its own
+#: bound, would pin all of L1.  A quarter is two clients' bounds, each client counting here
+#: only up to its own: one such client stalled never refuses the others, and about three
+#: quarters of L1 stay for objects eviction can free.
 FENCED_SHARE_OF_L1_ALL_CLIENTS = 4
 
 
 class FencedBytes:
     """The bytes of every client's fenced extents together (each ``Session.fenced``), and
-    the bound past which new shared-memory stores are refused, whoever asks.
+    the bound of those held by clients whose exit cannot be seen ("unwatched":
+    ``WriterProcesses.unwatched``), past which those clients' new shared-memory stores are
+    refused.  Watched clients are never refused here: their fences lift when their
+    processes exit, and refusing them would protect no byte (a fence is about wrong bytes;
+    this bound is about L1 space only).
 
-    A refusal is safe (the client's store is a miss; it recomputes), and it lasts until
-    commits, aborts or writers' exits give enough back.  Each such episode is logged
-    twice, when it starts and when it ends, not once per refused store."""
+    Which clients are unwatched is asked only while all clients' fenced bytes together
+    reach the bound (rare: stalls past the write TTL), of the few sessions holding fences:
+    watches arm after fences are counted, so it is not kept as they are.  A refusal is safe
+    (the client's store is a miss; it recomputes), and it lasts until commits, aborts or
+    exits give enough back.  Each such episode is logged twice, when it starts and when it
+    ends, not once per refused store."""
 
     def __init__(self, bound: int | None, per_client: int | None = None) -> None:
         #: None: no bound (a table outside a front end)
@@ -551,43 +560,76 @@ class FencedBytes:
         #: what one client's fences count here at most (None: all of them): its own bound,
         #: which a client passes by all it held reserved while under it (bounds are checked
         #: against what is fenced, before reserving), so that a client alone, stalled with
-        #: large reservations, refuses only its own stores, never every client's
+        #: large reservations, refuses only its own stores
         self.per_client = per_client
-        #: every client's fenced bytes, each counted up to ``per_client``
+        #: every client's fenced bytes, watched or not, each counted up to ``per_client``:
+        #: under ``bound``, no client's can reach it
         self.held = 0
+        #: the unwatched clients' part of ``held`` when a store last asked past it
+        self.unwatched = 0
         #: stores refused since the bound was reached (0: it was not)
         self.refused = 0
+        # the sessions holding fences, by identity: what a count of the unwatched walks
+        self._holders: dict[bytes, Session] = {}
 
-    def changed(self, before: int, after: int) -> None:
-        """One client's fenced bytes went from ``before`` to ``after``."""
+    def changed(self, session: Session, before: int, after: int) -> None:
+        """``session``'s fenced bytes went from ``before`` to ``after``."""
+        if after > 0:
+            self._holders[session.identity] = session
+        else:
+            self._holders.pop(session.identity, None)
+        self.held += self._counted(after) - self._counted(before)
+
+    def _counted(self, fenced_bytes: int) -> int:
         cap = self.per_client
-        if cap is not None:
-            before, after = min(before, cap), min(after, cap)
-        self.held += after - before
+        return fenced_bytes if cap is None else min(fenced_bytes, cap)
 
-    def refuses(self) -> bool:
-        """Whether a new store must be refused now (counted here while it is)."""
-        if self.bound is None or self.held < self.bound:
-            if self.refused:
-                logger.warning(
-                    "all clients' expired write reservations are back under %d bytes (%d held): "
-                    "new stores are accepted again, %d were refused meanwhile",
-                    self.bound,
-                    self.held,
-                    self.refused,
-                )
-                self.refused = 0
+    def unwatched_held(self, is_unwatched: Callable[[Session], bool]) -> int:
+        """The fenced bytes of the clients ``is_unwatched`` names, each counted up to
+        ``per_client``."""
+        holders = list(self._holders.values())
+        return sum(self._counted(session.fenced_bytes) for session in holders if is_unwatched(session))
+
+    def refuses(
+        self,
+        requester: Session,
+        requester_unwatched: Callable[[Session], bool],
+        is_unwatched: Callable[[Session], bool],
+    ) -> bool:
+        """Whether a new store of ``requester`` must be refused now (counted here while it
+        is): only while the unwatched clients' fenced bytes reach the bound, and only when
+        ``requester_unwatched`` says it is one of them too (asked of its connection now)."""
+        bound = self.bound
+        if bound is None or self.held < bound:  # the usual case: one comparison
+            self._episode_ended()
             return False
+        self.unwatched = self.unwatched_held(is_unwatched)
+        if self.unwatched < bound:
+            self._episode_ended()
+            return False
+        if not requester_unwatched(requester):
+            return False  # its fences lift at its exit: it stores in the rest of L1
         if not self.refused:
             logger.warning(
-                "all clients' expired write reservations hold %d bytes of L1 (limit %d), which "
-                "eviction cannot free until their clients commit, abort or exit: every new "
-                'STORE_RESERVE is refused until then (failures_total{reason="store_refused_fenced"})',
-                self.held,
-                self.bound,
+                "clients whose exit cannot be seen hold %d bytes of L1 in expired write reservations "
+                "(limit %d), which eviction cannot free until they commit or abort: new STORE_RESERVEs "
+                "of such clients are refused until then, those of watched clients are not "
+                '(failures_total{reason="store_refused_fenced"})',
+                self.unwatched,
+                bound,
             )
         self.refused += 1
         return True
+
+    def _episode_ended(self) -> None:
+        if self.refused:
+            logger.warning(
+                "expired write reservations of clients whose exit cannot be seen are back under "
+                "%d bytes: new stores are accepted again, %d were refused meanwhile",
+                self.bound,
+                self.refused,
+            )
+            self.refused = 0
 
 
 #: sessions holding nothing kept for the ``clients`` gauge ("seen recently"); beyond it the

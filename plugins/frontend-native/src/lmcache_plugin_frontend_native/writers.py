@@ -157,6 +157,47 @@ class WriterProcesses:
                 return False
         return True
 
+    def unwatched(
+        self,
+        identity: bytes,
+        writers: Sequence[PeerWatch | None],
+        *,
+        settle: bool = False,
+        holds: bool = True,
+    ) -> bool:
+        """Whether the exit of the processes that reserved under ``identity`` (``writers``)
+        can never be seen, so that its fences lift only at its commit or abort: every
+        lookup has ended and one of them names no process, nor a HELLO pid standing in
+        that maps the arena (another pid namespace or host, a relay, a failed scan).  A
+        pending lookup counts as watched, unless ``settle`` has it run on the loop thread
+        here (once per connection, as :meth:`same_process`).  A HELLO pid asked is watched
+        from then on only if ``holds`` (the client holds reservations, so :meth:`forget`
+        closes the watch when it holds none)."""
+        if not writers:
+            return True  # nothing to watch: an exit lifts nothing
+        if settle:
+            for writer in writers:
+                self._settled(writer)
+        if any(writer is not None and not writer.armed.is_set() for writer in writers):
+            return False
+        return not all(self._watchable(identity, writer, holds) for writer in writers)
+
+    def _watchable(self, identity: bytes, writer: PeerWatch | None, holds: bool) -> bool:
+        """Whether a settled ``writer``'s exit can be seen: it names a process, or the HELLO
+        pid of ``identity`` stands in and maps the arena."""
+        if writer is not None and writer.process is not None:
+            return True
+        if not _hello_may_stand_in(writer):
+            return False
+        if holds or identity in self._by_hello:
+            return self._hello_watch(identity) is not None
+        pid = self._pids.get(identity, 0)
+        watch = self._mapping_the_arena(_watch_pid(pid)) if pid > 0 else None
+        if watch is None:
+            return False
+        watch.close()
+        return True
+
     def same_process(
         self,
         earlier: bytes,
