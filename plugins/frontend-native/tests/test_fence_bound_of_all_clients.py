@@ -14,6 +14,7 @@ watched."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -156,3 +157,41 @@ def test_one_client_stalled_past_its_bound_by_one_reservation_refuses_only_itsel
             writer.store([own_key], [bytes(CHUNK)])  # past its own bound
         assert refused.value.code is p.ErrorCode.OUT_OF_MEMORY
         assert stats_of(server).failures["store_refused_fenced"] == 0
+
+
+def test_unwatched_clients_whose_lookups_never_end_count_toward_the_bound(
+    clients: tuple[TiersServer, ExitStack],
+) -> None:
+    # A lookup given up (more connections waiting for theirs than the scan queue holds)
+    # stays pending for ever, and a pending lookup never says its process exited: those
+    # clients' fences go only at their commit or abort, as an unwatched client's.  Here
+    # the scan worker is held so that the stalled clients' lookups never end; a reconnect
+    # storm of relay clients would leave theirs the same way, each under its own bound.
+    server, stack = clients
+    handlers = handlers_of(server)
+    release = threading.Event()
+    stack.callback(release.set)  # before the server stops: its close joins the worker
+
+    def scan(peer: Any) -> None:
+        if threading.current_thread().name == "tiers-native-peer-scan":
+            release.wait()  # the worker never arms a watch while the test runs
+        return None  # run on the loop thread (settled there): names no process
+
+    handlers.writers.scan = scan
+    *stalled_keys, next_key = keys_of(STALLED_CLIENTS + 1)
+    writers = [unwatched(stack.enter_context(Client(server.endpoint))) for _ in range(STALLED_CLIENTS)]
+    relay = unwatched(stack.enter_context(Client(server.endpoint)))
+    for writer, key in zip(writers, stalled_keys, strict=True):
+        reply = writer._call(p.StoreReserve(0, "", [key], [CHUNK]), p.StoreReserveReply)
+        assert reply.slots[0].offset != p.NO_SLOT
+    wait_for(
+        lambda: sum(bool(session.fenced) for session in handlers.sessions) == STALLED_CLIENTS,
+        "every stalled reservation fenced with its client's",
+    )
+    stalled = [session for session in handlers.sessions if session.fenced]
+    assert all(not writer.armed.is_set() for session in stalled for writer in session.writers), "pending"
+
+    with pytest.raises(ServerError) as refused:
+        relay.store([next_key], [bytes(CHUNK)])
+    assert refused.value.code is p.ErrorCode.OUT_OF_MEMORY
+    assert stats_of(server).failures["store_refused_fenced"] == 1

@@ -508,9 +508,10 @@ class Handlers:
 
     def _unwatched_requester(self, session: Session) -> bool:
         """Whether the client storing now, on this connection, is one whose exit cannot be
-        seen: its lookup is run here if pending (once per connection, and only while
-        unwatched clients' fences reach their bound), or each new connection of a client
-        that cannot be watched would be let store while its lookup waits."""
+        seen: its lookups are run here if pending (once per connection, and only while
+        unwatched clients' fences reach their bound), as a pending lookup counts as
+        unwatched, or a watched client's new connection would be refused while its
+        lookup waits."""
         current = self.writers.of_request(self._source_fd(), session.identity)
         holds = bool(session.writes or session.fenced)
         return self.writers.unwatched(session.identity, [*session.writers, current], settle=True, holds=holds)

@@ -166,20 +166,22 @@ class WriterProcesses:
         holds: bool = True,
     ) -> bool:
         """Whether the exit of the processes that reserved under ``identity`` (``writers``)
-        can never be seen, so that its fences lift only at its commit or abort: every
-        lookup has ended and one of them names no process, nor a HELLO pid standing in
-        that maps the arena (another pid namespace or host, a relay, a failed scan).  A
-        pending lookup counts as watched, unless ``settle`` has it run on the loop thread
-        here (once per connection, as :meth:`same_process`).  A HELLO pid asked is watched
-        from then on only if ``holds`` (the client holds reservations, so :meth:`forget`
-        closes the watch when it holds none)."""
+        can never be seen, so that its fences lift only at its commit or abort: one of
+        its lookups names no process, nor a HELLO pid standing in that maps the arena
+        (another pid namespace or host, a relay, a failed scan), or is still pending.  A
+        pending lookup never says its process exited (:meth:`exited`), and one given up
+        (a reconnect storm past the scan queue) stays pending for ever: counted as watched,
+        a stream of such clients would pin L1 past the bound.  ``settle`` has pending
+        lookups run on the loop thread here (once per connection, as :meth:`same_process`).
+        A HELLO pid asked is watched from then on only if ``holds`` (the client holds
+        reservations, so :meth:`forget` closes the watch when it holds none)."""
         if not writers:
             return True  # nothing to watch: an exit lifts nothing
         if settle:
             for writer in writers:
                 self._settled(writer)
         if any(writer is not None and not writer.armed.is_set() for writer in writers):
-            return False
+            return True
         return not all(self._watchable(identity, writer, holds) for writer in writers)
 
     def _watchable(self, identity: bytes, writer: PeerWatch | None, holds: bool) -> bool:
