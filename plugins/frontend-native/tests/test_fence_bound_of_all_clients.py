@@ -35,6 +35,8 @@ CHUNK = 6 << 20
 STALLED_CLIENTS = 3
 STARTED = "new STORE_RESERVEs of such clients are refused"
 ENDED = "new stores are accepted again"
+#: the thread scanning for clients' processes, off the loop thread
+SCAN_WORKER = "tiers-native-peer-scan"
 
 
 def handlers_of(server: TiersServer) -> Any:
@@ -51,6 +53,12 @@ def unwatched(client: Client) -> Client:
     """``client`` says its process is pid 0: nothing here can watch it."""
     client._call(p.Hello(0, client._token, p.PROTOCOL_VERSION, "relay", 0), p.HelloReply)
     return client
+
+
+def lookups_ended(server: TiersServer) -> None:
+    """Wait until every connection's lookup has ended (a pending one counts as unwatched)."""
+    connections = handlers_of(server).writers.connections
+    wait_for(lambda: all(watch.armed.is_set() for _, watch in connections._of.values()), "every lookup ended")
 
 
 def stall(server: TiersServer, writers: list[Client], keys: list[Any]) -> None:
@@ -106,10 +114,12 @@ def test_unwatched_clients_past_the_bound_refuse_only_unwatched_clients_stores_u
     server, stack = clients
     lookups_name_no_process(server)
     caplog.set_level(logging.WARNING, logger="lmcache_plugin_frontend_native")
-    *stalled_keys, next_key, watched_key = keys_of(STALLED_CLIENTS + 2)
+    *stalled_keys, next_key, watched_key, earlier_key = keys_of(STALLED_CLIENTS + 3)
     writers = [unwatched(stack.enter_context(Client(server.endpoint))) for _ in range(STALLED_CLIENTS)]
     relay = unwatched(stack.enter_context(Client(server.endpoint)))
     engine = stack.enter_context(Client(server.endpoint))
+    assert engine.store([earlier_key], [b"earlier"]) == 1  # its connection looked up
+    lookups_ended(server)
     stall(server, writers, stalled_keys)
 
     # Another client that cannot be watched is refused: its fences would pin L1 as well.
@@ -173,7 +183,7 @@ def test_unwatched_clients_whose_lookups_never_end_count_toward_the_bound(
     stack.callback(release.set)  # before the server stops: its close joins the worker
 
     def scan(peer: Any) -> None:
-        if threading.current_thread().name == "tiers-native-peer-scan":
+        if threading.current_thread().name == SCAN_WORKER:
             release.wait()  # the worker never arms a watch while the test runs
         return None  # run on the loop thread (settled there): names no process
 
@@ -195,3 +205,39 @@ def test_unwatched_clients_whose_lookups_never_end_count_toward_the_bound(
         relay.store([next_key], [bytes(CHUNK)])
     assert refused.value.code is p.ErrorCode.OUT_OF_MEMORY
     assert stats_of(server).failures["store_refused_fenced"] == 1
+
+
+def test_a_new_connection_while_unwatched_clients_reach_the_bound_is_never_scanned_on_the_loop(
+    clients: tuple[TiersServer, ExitStack],
+) -> None:
+    # The episode may last until the server stops (unwatched clients gone at their
+    # bounds): a lookup run on the loop thread at each new connection's first store would
+    # hold every client's requests up for a /proc scan there, for good.  A store whose
+    # lookup is still pending is refused instead (a miss), and stores once it has ended.
+    server, stack = clients
+    handlers = handlers_of(server)
+    worker_may_scan = threading.Event()
+    worker_may_scan.set()
+    stack.callback(worker_may_scan.set)  # before the server stops: its close joins the worker
+    scanned_on: list[str] = []
+
+    def scan(peer: Any) -> None:
+        scanned_on.append(threading.current_thread().name)
+        if scanned_on[-1] == SCAN_WORKER:
+            worker_may_scan.wait()
+        return None  # names no process: the HELLO pid stands in
+
+    handlers.writers.scan = scan
+    *stalled_keys, watched_key = keys_of(STALLED_CLIENTS + 1)
+    writers = [unwatched(stack.enter_context(Client(server.endpoint))) for _ in range(STALLED_CLIENTS)]
+    stall(server, writers, stalled_keys)
+
+    worker_may_scan.clear()
+    engine = stack.enter_context(Client(server.endpoint))
+    with pytest.raises(ServerError) as refused:
+        engine.store([watched_key], [bytes(CHUNK)])
+    assert refused.value.code is p.ErrorCode.OUT_OF_MEMORY
+    worker_may_scan.set()
+    lookups_ended(server)
+    assert engine.store([watched_key], [bytes(CHUNK)]) == 1
+    assert set(scanned_on) == {SCAN_WORKER}, scanned_on

@@ -497,9 +497,10 @@ class Handlers:
             self.stats.failure("store_refused_fenced")
             raise HandlerError(
                 p.ErrorCode.OUT_OF_MEMORY,
-                f"clients whose exit cannot be seen, this one among them, hold {all_fenced.unwatched} "
-                f"bytes of L1 in expired write reservations (limit {all_fenced.bound}); their stores "
-                "are refused until they commit or abort them",
+                f"clients whose exit cannot be seen hold {all_fenced.unwatched} bytes of L1 in expired "
+                f"write reservations (limit {all_fenced.bound}); their stores, this one's among them, "
+                "are refused until they commit or abort them (a client whose process is still being "
+                "looked up stores once that ends)",
             )
 
     def _unwatched(self, session: Session) -> bool:
@@ -508,13 +509,14 @@ class Handlers:
 
     def _unwatched_requester(self, session: Session) -> bool:
         """Whether the client storing now, on this connection, is one whose exit cannot be
-        seen: its lookups are run here if pending (once per connection, and only while
-        unwatched clients' fences reach their bound), as a pending lookup counts as
-        unwatched, or a watched client's new connection would be refused while its
-        lookup waits."""
+        seen, or not yet known: a pending lookup counts as unwatched.  The connection's
+        lookup is sent to the scan worker here, never run on the loop thread, which serves
+        every client: an episode may last until the server stops, and a /proc scan at each
+        new connection's first store would hold everyone's requests up for good.  A
+        watched client's new connection is refused (a miss) only until its lookup ends."""
         current = self.writers.of_request(self._source_fd(), session.identity)
         holds = bool(session.writes or session.fenced)
-        return self.writers.unwatched(session.identity, [*session.writers, current], settle=True, holds=holds)
+        return self.writers.unwatched(session.identity, [*session.writers, current], holds=holds)
 
     def _skips(self, keys: Sequence[ObjectKey], reserved: Mapping[ObjectKey, Any]) -> Counter[str]:
         """Why the keys of a store that L1 did not reserve were skipped.  Only asked when

@@ -162,7 +162,6 @@ class WriterProcesses:
         identity: bytes,
         writers: Sequence[PeerWatch | None],
         *,
-        settle: bool = False,
         holds: bool = True,
     ) -> bool:
         """Whether the exit of the processes that reserved under ``identity`` (``writers``)
@@ -171,15 +170,11 @@ class WriterProcesses:
         (another pid namespace or host, a relay, a failed scan), or is still pending.  A
         pending lookup never says its process exited (:meth:`exited`), and one given up
         (a reconnect storm past the scan queue) stays pending for ever: counted as watched,
-        a stream of such clients would pin L1 past the bound.  ``settle`` has pending
-        lookups run on the loop thread here (once per connection, as :meth:`same_process`).
-        A HELLO pid asked is watched from then on only if ``holds`` (the client holds
-        reservations, so :meth:`forget` closes the watch when it holds none)."""
+        a stream of such clients would pin L1 past the bound.  A HELLO pid asked is
+        watched from then on only if ``holds`` (the client holds reservations, so
+        :meth:`forget` closes the watch when it holds none)."""
         if not writers:
             return True  # nothing to watch: an exit lifts nothing
-        if settle:
-            for writer in writers:
-                self._settled(writer)
         if any(writer is not None and not writer.armed.is_set() for writer in writers):
             return True
         return not all(self._watchable(identity, writer, holds) for writer in writers)
