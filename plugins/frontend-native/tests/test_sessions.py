@@ -867,3 +867,29 @@ def test_the_bound_of_fenced_bytes_refuses_only_unwatched_clients_while_theirs_r
     assert table.fenced.refused == 2  # a watched client's store does not end the episode
     relay.take_fenced([C])
     assert not asks(b"relay-1") and table.fenced.refused == 0
+
+
+def test_the_unwatched_clients_fenced_bytes_are_walked_again_only_once_fences_or_watches_changed() -> None:
+    # While they reach the bound (for good, if such clients are gone), a walk of every
+    # holder at each store would hold the loop thread up for every client.
+    table = SessionTable(lock_ttl_s=10, write_ttl_s=20, fenced_bytes_bound=100, fenced_bytes_per_client=1_000)
+    for index in range(3):
+        session = table.get(b"relay-%d" % index, now=0.0)
+        session.add_writes({ObjectKey("m", 0, bytes([index])): reserved("relay", 50)}, deadline=1.0)
+    table.sweep(now=2.0)
+    asked: list[bytes] = []
+
+    def is_unwatched(session: sessions.Session) -> bool:
+        asked.append(session.identity)
+        return True
+
+    requester = table.get(b"relay-3", now=2.0)
+    for _ in range(5):
+        assert table.fenced.refuses(requester, lambda _session: True, is_unwatched)
+    assert len(asked) == 3, "walked once while nothing changed"
+    table.fenced.watches_changed()  # a sweep: lookups may have ended
+    assert table.fenced.refuses(requester, lambda _session: True, is_unwatched)
+    assert len(asked) == 6
+    table.get(b"relay-0", now=2.0).take_fenced([ObjectKey("m", 0, bytes([0]))])
+    assert table.fenced.refuses(requester, lambda _session: True, is_unwatched)
+    assert len(asked) == 8

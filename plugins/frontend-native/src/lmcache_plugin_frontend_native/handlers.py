@@ -640,7 +640,10 @@ class Handlers:
 
     def release_fences_of_exited_writers(self) -> None:
         """Give back the fenced extents of clients whose process exited (``writers.py``):
-        nothing of theirs can copy into them any more.  Loop thread, at each sweep."""
+        nothing of theirs can copy into them any more.  Loop thread, at each sweep, which
+        also has the unwatched clients' fenced bytes walked again at the next store past
+        the bound (lookups ended meanwhile)."""
+        self.sessions.fenced.watches_changed()
         for session in self.sessions:
             if not session.fenced or not self.writers.exited(session.identity, session.writers):
                 continue

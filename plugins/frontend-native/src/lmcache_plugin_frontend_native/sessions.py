@@ -548,8 +548,11 @@ class FencedBytes:
     this bound is about L1 space only).
 
     Which clients are unwatched is asked only while all clients' fenced bytes together
-    reach the bound (rare: stalls past the write TTL), of the few sessions holding fences:
-    watches arm after fences are counted, so it is not kept as they are.  A refusal is safe
+    reach the bound (rare: stalls past the write TTL), of the sessions holding fences, and
+    walked again only once fences changed or a sweep passed (:meth:`watches_changed`):
+    watches arm after fences are counted, so it is not kept as they are, and a walk of many
+    holders at every store would hold the loop thread up for every client (82 ms a store
+    with 16,000 holders here).  A refusal is safe
     (the client's store is a miss; it recomputes), and it lasts until commits, aborts or
     exits give enough back.  Each such episode is logged twice, when it starts and when it
     ends, not once per refused store."""
@@ -565,8 +568,10 @@ class FencedBytes:
         #: every client's fenced bytes, watched or not, each counted up to ``per_client``:
         #: under ``bound``, no client's can reach it
         self.held = 0
-        #: the unwatched clients' part of ``held`` when a store last asked past it
+        #: the unwatched clients' part of ``held`` as last walked
         self.unwatched = 0
+        # whether ``unwatched`` must be walked again: fences or watches changed since
+        self._walk_due = True
         #: stores refused since the bound was reached (0: it was not)
         self.refused = 0
         # the sessions holding fences, by identity: what a count of the unwatched walks
@@ -579,6 +584,12 @@ class FencedBytes:
         else:
             self._holders.pop(session.identity, None)
         self.held += self._counted(after) - self._counted(before)
+        self._walk_due = True
+
+    def watches_changed(self) -> None:
+        """Lookups may have ended and writers come and gone since the last walk: the next
+        store past ``held``'s bound walks the unwatched again (once per sweep)."""
+        self._walk_due = True
 
     def _counted(self, fenced_bytes: int) -> int:
         cap = self.per_client
@@ -603,7 +614,9 @@ class FencedBytes:
         if bound is None or self.held < bound:  # the usual case: one comparison
             self._episode_ended()
             return False
-        self.unwatched = self.unwatched_held(is_unwatched)
+        if self._walk_due:
+            self.unwatched = self.unwatched_held(is_unwatched)
+            self._walk_due = False
         if self.unwatched < bound:
             self._episode_ended()
             return False
