@@ -61,9 +61,9 @@ def lookups_ended(server: TiersServer) -> None:
     wait_for(lambda: all(watch.armed.is_set() for _, watch in connections._of.values()), "every lookup ended")
 
 
-def stall(server: TiersServer, writers: list[Client], keys: list[Any]) -> None:
+def stall(server: TiersServer, writers: list[Client], keys: list[Any], *, lookups_end: bool = True) -> None:
     """Each writer reserves a chunk and never copies into nor commits it, alive: fenced
-    once it expires, its lookups ended."""
+    once it expires, its lookups ended (unless not ``lookups_end``)."""
     handlers = handlers_of(server)
     for writer, key in zip(writers, keys, strict=True):
         reply = writer._call(p.StoreReserve(0, "", [key], [CHUNK]), p.StoreReserveReply)
@@ -72,17 +72,36 @@ def stall(server: TiersServer, writers: list[Client], keys: list[Any]) -> None:
         lambda: sum(bool(session.fenced) for session in handlers.sessions) == len(writers),
         "every stalled reservation fenced with its client's",
     )
-    wait_for(
-        lambda: all(
-            writer is None or writer.armed.is_set()
-            for session in handlers.sessions
-            for writer in session.writers
-        ),
-        "every stalled writer's lookup ended",
-    )
+    if lookups_end:
+        wait_for(
+            lambda: all(
+                writer is None or writer.armed.is_set()
+                for session in handlers.sessions
+                for writer in session.writers
+            ),
+            "every stalled writer's lookup ended",
+        )
     each = [session.fenced_bytes for session in handlers.sessions if session.fenced]
     assert all(0 < held < handlers.fenced_bytes_per_client for held in each), each
     assert handlers.sessions.fenced.held >= handlers.sessions.fenced.bound
+
+
+def gated_scans(server: TiersServer, stack: ExitStack) -> tuple[threading.Event, list[str]]:
+    """Lookups that name no process (the HELLO pid stands in), run by the scan worker only
+    while the returned event is set; and the names of the threads each ran on."""
+    worker_may_scan = threading.Event()
+    worker_may_scan.set()
+    stack.callback(worker_may_scan.set)  # before the server stops: its close joins the worker
+    scanned_on: list[str] = []
+
+    def scan(peer: Any) -> None:
+        scanned_on.append(threading.current_thread().name)
+        if scanned_on[-1] == SCAN_WORKER:
+            worker_may_scan.wait()
+        return None
+
+    handlers_of(server).writers.scan = scan
+    return worker_may_scan, scanned_on
 
 
 @pytest.fixture
@@ -179,25 +198,12 @@ def test_unwatched_clients_whose_lookups_never_end_count_toward_the_bound(
     # storm of relay clients would leave theirs the same way, each under its own bound.
     server, stack = clients
     handlers = handlers_of(server)
-    release = threading.Event()
-    stack.callback(release.set)  # before the server stops: its close joins the worker
-
-    def scan(peer: Any) -> None:
-        if threading.current_thread().name == SCAN_WORKER:
-            release.wait()  # the worker never arms a watch while the test runs
-        return None  # run on the loop thread (settled there): names no process
-
-    handlers.writers.scan = scan
+    worker_may_scan, _ = gated_scans(server, stack)
+    worker_may_scan.clear()  # the worker never arms a watch while the test runs
     *stalled_keys, next_key = keys_of(STALLED_CLIENTS + 1)
     writers = [unwatched(stack.enter_context(Client(server.endpoint))) for _ in range(STALLED_CLIENTS)]
     relay = unwatched(stack.enter_context(Client(server.endpoint)))
-    for writer, key in zip(writers, stalled_keys, strict=True):
-        reply = writer._call(p.StoreReserve(0, "", [key], [CHUNK]), p.StoreReserveReply)
-        assert reply.slots[0].offset != p.NO_SLOT
-    wait_for(
-        lambda: sum(bool(session.fenced) for session in handlers.sessions) == STALLED_CLIENTS,
-        "every stalled reservation fenced with its client's",
-    )
+    stall(server, writers, stalled_keys, lookups_end=False)
     stalled = [session for session in handlers.sessions if session.fenced]
     assert all(not writer.armed.is_set() for session in stalled for writer in session.writers), "pending"
 
@@ -215,19 +221,7 @@ def test_a_new_connection_while_unwatched_clients_reach_the_bound_is_never_scann
     # hold every client's requests up for a /proc scan there, for good.  A store whose
     # lookup is still pending is refused instead (a miss), and stores once it has ended.
     server, stack = clients
-    handlers = handlers_of(server)
-    worker_may_scan = threading.Event()
-    worker_may_scan.set()
-    stack.callback(worker_may_scan.set)  # before the server stops: its close joins the worker
-    scanned_on: list[str] = []
-
-    def scan(peer: Any) -> None:
-        scanned_on.append(threading.current_thread().name)
-        if scanned_on[-1] == SCAN_WORKER:
-            worker_may_scan.wait()
-        return None  # names no process: the HELLO pid stands in
-
-    handlers.writers.scan = scan
+    worker_may_scan, scanned_on = gated_scans(server, stack)
     *stalled_keys, watched_key = keys_of(STALLED_CLIENTS + 1)
     writers = [unwatched(stack.enter_context(Client(server.endpoint))) for _ in range(STALLED_CLIENTS)]
     stall(server, writers, stalled_keys)
