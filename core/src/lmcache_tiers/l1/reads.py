@@ -183,6 +183,10 @@ class ReadLocks:
             locked = table.locked
             deadline = self.lock_deadline(time.monotonic())
             locked_bytes = 0
+            # An object whose latest deadline is ``deadline`` was filed under it when it
+            # took those locks, and stays filed until the cell ends (after ``deadline``,
+            # later than now): only one taking its first lock of this cell must be filed.
+            filed = True
             for obj in unique:
                 # A READY object is in ``locked`` exactly when it has read locks.
                 if not obj.read_locks:
@@ -190,6 +194,7 @@ class ReadLocks:
                     locked_bytes += obj.extent_bytes
                     obj.read_locks = count
                     obj.lock_deadline = deadline
+                    filed = False
                 elif obj.lock_deadline == deadline:
                     # Its latest deadline is this grid step's (a hot prefix locked by
                     # several readers within a step, maybe also holding locks of earlier
@@ -200,9 +205,11 @@ class ReadLocks:
                         groups[-1] += count
                 else:
                     add_read_locks(obj, count, deadline)
+                    filed = False
             table.locked_extent_bytes += locked_bytes
-            # Each took locks expiring at ``deadline``: one C-level pass files them there.
-            table.deadlines.reading(deadline).update(unique)
+            if not filed:
+                # Each took locks expiring at ``deadline``: one C-level pass files them there.
+                table.deadlines.reading(deadline).update(unique)
             table.listeners.notify("read", read)
             return prefix
 

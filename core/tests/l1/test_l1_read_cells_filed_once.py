@@ -1,0 +1,94 @@
+"""A lookup whose objects all hold locks of its deadline files none of them again.
+
+Every object that takes read locks is filed under their deadline's cell for the reap
+(``l1/deadlines.py``) and stays there until the cell ends; a lookup of a new key list whose
+objects were all locked within this grid step already (a hot prefix, new prompts sharing
+it) skips that pass.  Their locks must still end at their deadline.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import types
+from collections.abc import Iterator
+
+import pytest
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l1 import L1Manager
+from lmcache_tiers.l1 import reads as reads_module
+from lmcache_tiers.l1.deadlines import LockDeadlines
+
+ALIGN = 4096
+LOCK_TTL = 64.0  # a grid step of exactly one second
+STEP = LOCK_TTL / reads_module.LOCK_GRID_STEPS
+ALL = [ObjectKey("test-filed-once", 0, index.to_bytes(8, "big")) for index in range(6)]
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The clock read locks take their deadlines from, at the end of a grid cell: a lock
+    taken then expires exactly its TTL later, one taken any later in the next cell."""
+    now = [2.0 ** max(8, math.ceil(math.log2(time.monotonic() + STEP)))]
+    monkeypatch.setattr(reads_module, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    return now
+
+
+@pytest.fixture
+def l1() -> Iterator[L1Manager]:
+    manager = L1Manager(
+        8 * len(ALL) * ALIGN, align=ALIGN, lock_ttl_s=LOCK_TTL, write_ttl_s=LOCK_TTL, prefault=False
+    )
+    assert all(manager.finish_write(list(manager.reserve_write(ALL, [ALIGN] * len(ALL)))))
+    yield manager
+    manager.close()
+
+
+@pytest.fixture
+def filings(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The deadlines lookups filed objects under, one entry per filing pass."""
+    seen: list[float] = []
+    reading = LockDeadlines.reading
+
+    def counted(self: LockDeadlines, deadline: float) -> set[object]:
+        seen.append(deadline)
+        return reading(self, deadline)  # type: ignore[return-value]
+
+    monkeypatch.setattr(LockDeadlines, "reading", counted)
+    return seen
+
+
+def test_a_new_list_of_objects_locked_in_this_cell_files_nothing(
+    l1: L1Manager, clock: list[float], filings: list[float]
+) -> None:
+    start = clock[0]
+    clock[0] = start - 0.5 * STEP
+    l1.reserve_read_prefix(ALL[:4])
+    assert len(filings) == 1
+    clock[0] = start  # the same cell
+    l1.reserve_read_prefix(ALL[1:4])  # a new list, every object locked in this cell already
+    l1.reserve_read_prefix(ALL[:3])
+    assert len(filings) == 1
+    l1.reserve_read_prefix(ALL[2:6])  # two objects not locked yet: filed
+    assert len(filings) == 2
+    clock[0] = start + 0.5 * STEP  # the next cell: its own deadline, filed
+    l1.reserve_read_prefix(ALL[1:3])
+    assert filings == [start + LOCK_TTL] * 2 + [start + STEP + LOCK_TTL]
+
+
+def test_locks_of_lookups_that_filed_nothing_end_at_their_deadline(l1: L1Manager, clock: list[float]) -> None:
+    start = clock[0]
+    clock[0] = start - 0.5 * STEP
+    l1.reserve_read_prefix(ALL[:4])
+    clock[0] = start  # the same cell
+    l1.reserve_read_prefix(ALL[1:4])
+    l1.reserve_read_prefix(ALL[:2])
+    objects = [l1.get(key) for key in ALL[:4]]
+    assert [obj.read_locks for obj in objects if obj is not None] == [2, 3, 2, 2]
+    edge = start + LOCK_TTL
+    assert l1.expire_locks(math.nextafter(edge, -math.inf)) == 0
+    assert l1.expire_locks(edge) == 4  # every lock of every object, none left behind
+    assert not any(obj is not None and obj.read_locks for obj in objects)
+    assert l1._table.locked_extent_bytes == 0
+    assert not l1._table.locked
