@@ -37,7 +37,8 @@ client's fences then stay until it commits or aborts them, or the server stops:
 A client told neither way keeps its fenced extents until it commits or aborts them.
 Left: where the HELLO pid stands in, a client in another pid namespace reaching the
 server through a relay, whose reported pid happens to name another client here mapping
-the arena, would be released when that one exits.
+the arena, would be released when that one exits, and counts until then as watched
+(:meth:`WriterProcesses.unwatched`), outside the bound of unwatched clients' fences.
 
 The kernel is asked through core's ``ConnectionPeers`` (``lmcache_tiers.peer_scan``, as the
 LMCache front end), once per connection (descriptor and socket inode), off the loop thread:
