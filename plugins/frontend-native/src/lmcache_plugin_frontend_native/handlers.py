@@ -296,8 +296,8 @@ class Handlers:
             return p.LookupReply(req.req_id, handle=wire_handle), ()
         # Done at once (the usual all-in-L1 case): the prefix is this client's now.  The
         # keys are the decoder's remembered objects, which the session's dicts match by
-        # identity.
-        session.add_read_locks(locked, self.sessions.read_lock_deadline(now))
+        # identity; L1's prefix ends before a repeat, so they are distinct.
+        session.add_read_locks(locked, self.sessions.read_lock_deadline(now), distinct=True)
         return p.LookupReply(req.req_id, handle=wire_handle, hits=len(locked)), ()
 
     def _settled(self, handle: int, pending: PendingPrefetch) -> bool:

@@ -109,6 +109,9 @@ class Session:
     _backlog: int = field(default=0, repr=False)  # keys in ``_records``
     # the keys of ``_records`` that ``_locks`` does not hold: what indexing them will add
     _unindexed: set[ObjectKey] = field(default_factory=set, repr=False)
+    # ``_records`` is one record of keys known distinct, held alone, whose set
+    # ``_unindexed`` is not made of until another record or a partial release needs it
+    _lone_distinct: bool = field(default=False, repr=False)
     #: keys holding a lock not yet forgotten (expired ones until the sweep forgets them),
     #: kept as locks come and go so that a scrape reads one int instead of walking them
     locked_keys: int = 0
@@ -157,9 +160,11 @@ class Session:
             self._index()
         return self._locks
 
-    def add_read_locks(self, keys: list[ObjectKey], deadline: float) -> None:
+    def add_read_locks(self, keys: list[ObjectKey], deadline: float, *, distinct: bool = False) -> None:
         """One more read lock on each of ``keys`` (a key listed twice: two), all expiring at
-        ``deadline``.  ``keys`` is kept as it is: the caller must not change it afterwards."""
+        ``deadline``.  ``keys`` is kept as it is: the caller must not change it afterwards.
+        ``distinct``: the caller knows no key is listed twice (a lookup's L1 prefix ends
+        before its first repeat), which spares a session holding nothing a pass over them."""
         if not keys:
             return
         if deadline < self._next_lock_expiry:
@@ -173,11 +178,29 @@ class Session:
                 counts = last[1]
                 counts[deadline] = counts.get(deadline, 0) + 1
                 return
+            self._unlone()
+        elif distinct and not self._locks:
+            # Held alone, its keys are what the client holds, and a RELEASE of exactly them
+            # takes the record back whole: no set of them is needed unless more come.
+            records.append([keys, {deadline: 1}])
+            self._backlog = len(keys)
+            self._lone_distinct = True
+            self.locked_keys = len(keys)
+            if self._backlog > INDEX_BACKLOG_KEYS:
+                self._index()
+            return
         records.append([keys, {deadline: 1}])
         self._backlog += len(keys)
         self._note_unindexed(keys)
         if self._backlog > INDEX_BACKLOG_KEYS:
             self._index()
+
+    def _unlone(self) -> None:
+        """Make ``_unindexed`` of the lone distinct record's keys, which another record is
+        about to join."""
+        if self._lone_distinct:
+            self._lone_distinct = False
+            self._unindexed = set(self._records[0][0])
 
     def _index(self) -> None:
         """Apply the records to the per-key deadlines.
@@ -194,6 +217,7 @@ class Session:
         self._records.clear()
         self._backlog = 0
         self._unindexed.clear()
+        self._lone_distinct = False
 
     def _apply(self, lists: list[list[ObjectKey]], items: tuple[tuple[float, int], ...]) -> None:
         """Add the locks of records of the same ``items`` (deadline, locks) to the per-key
@@ -274,10 +298,11 @@ class Session:
             # RETRIEVE of the same keys after it), each once -- what indexing the record
             # and taking it back key by key would give, without either.  The record's keys
             # are all of ``_unindexed``: they are distinct if there are as many.
-            if held == wanted and len(self._unindexed) == len(wanted):
+            if held == wanted and (self._lone_distinct or len(self._unindexed) == len(wanted)):
                 records.clear()
                 self._backlog = 0
                 self._unindexed = set()
+                self._lone_distinct = False
                 self._count_locked_keys()
                 live = _live(counts, now)
                 return {live: wanted} if live[0] else {}
