@@ -36,8 +36,6 @@ def _copies(*names: str) -> Callable[[Any], tuple[object, ...]]:
     """The policy's state as plain values: the named attributes, each copied."""
 
     def state(policy: Any) -> tuple[object, ...]:
-        if getattr(policy, "_pending", None):  # LRU's reads not applied yet
-            policy._apply_reads()
         values = (getattr(policy, name) for name in names)
         return tuple(value if isinstance(value, float | int) else _plain(value) for value in values)
 

@@ -9,10 +9,6 @@ from itertools import chain
 from lmcache_plugin_eviction_lru import LRUConfig
 from lmcache_tiers.plugin import ObjectKey, StampedKeys
 
-#: keys of reads waiting to be applied to the order past which the read that adds more
-#: applies them all: bounds the memory they take and the one pass that applies them
-PENDING_READ_KEYS = 8192
-
 
 class LRUEvictionPolicy:
     """Least recently used first; the oldest key sits at the front of the order.
@@ -34,19 +30,12 @@ class LRUEvictionPolicy:
     waiting.  Keys leaving them (evicted, read, written, set aside again) leave dead
     entries behind, skipped by walks: those of the keys walks evicted are dropped before
     the next walk, and all of them once they outnumber the live ones.
-
-    Reads are kept as they come (a list each) and applied to the order, in the order they
-    came, only when something else needs it (a walk, a write, a removal, a key set aside or
-    put back), or once more than ``PENDING_READ_KEYS`` keys wait: every LOOKUP reads, and
-    a LOOKUP then pays a list copy instead of a move per key (~14 us for 512 keys), the
-    moves being made by the next write or eviction (or every 16th LOOKUP of 512 keys in a
-    row).  The order is the one applying each read at once gives.
     """
 
     def __init__(self, config: LRUConfig | None = None) -> None:
         self.config = config or LRUConfig()
         self._order: OrderedDict[ObjectKey, None] = OrderedDict()
-        # The keys of the last read, when nothing but its own application changed the
+        # The keys of the last read, when every one was moved and nothing changed the
         # order since: reading them again would move them to where they already are.
         self._last_read: list[ObjectKey] | None = None
         # Keys out of ``_order``, each with its stamp (ascending = oldest first): locked
@@ -54,17 +43,12 @@ class LRUEvictionPolicy:
         self._aside: dict[ObjectKey, int] = {}
         self._returned = StampedKeys()
         self._next_stamp = 0
-        # Reads not applied to the order yet, oldest first, and how many keys they name.
-        self._pending: list[list[ObjectKey]] = []
-        self._pending_keys = 0
 
     # A batch is a prefix (chunk 0 first).  Touching it back to front leaves the tail
     # older than the head, so eviction trims a prefix from its end and the chunks that
     # remain are still a prefix an engine can use.
 
     def on_keys_written(self, keys: Sequence[ObjectKey]) -> None:
-        if self._pending:
-            self._apply_reads()
         self._last_read = None
         order = self._order
         if self._aside or self._returned:
@@ -74,39 +58,22 @@ class LRUEvictionPolicy:
             order.move_to_end(key)
 
     def on_keys_read(self, keys: Sequence[ObjectKey]) -> None:
+        # A read of a key this policy does not hold (already removed) must not revive it.
+        # Every LOOKUP lands here, with keys L1 holds: all of them are moved in one C-level
+        # pass; move_to_end raises for a key not held, and then the batch is moved again
+        # key by key, skipping those (the same moves in the same order: the same order).
         # An engine asks about one waiting prompt again and again: the same reads in a row
         # leave the order as the first one did (a list comparison, by identity first).
         if self._last_read is not None and keys == self._last_read:
             return
-        # A copy: the caller may reuse its list.
-        self._last_read = read = list(keys)
-        self._pending.append(read)
-        self._pending_keys += len(read)
-        if self._pending_keys > PENDING_READ_KEYS:
-            self._apply_reads()
-
-    def _apply_reads(self) -> None:
-        """Apply the reads waiting (``_pending``) to the order, each as it came: moving each
-        key once, to where its latest read puts it, would take a pass over them all to find
-        those (``dict.fromkeys``) that costs as much per key as the moves it saves."""
-        pending = self._pending
-        self._pending = []
-        self._pending_keys = 0
-        for keys in pending:
-            self._move_read(keys)
-
-    def _move_read(self, keys: Sequence[ObjectKey]) -> None:
-        # A read of a key this policy does not hold (already removed) must not revive it.
-        # All of them are moved in one C-level pass; move_to_end raises for a key not held,
-        # and then the batch is moved again key by key, skipping those (the same moves in
-        # the same order: the same order).
         order = self._order
         move_to_end = order.move_to_end
         try:
             deque(map(move_to_end, reversed(keys)), 0)
+            self._last_read = list(keys)
             return
         except KeyError:
-            pass
+            self._last_read = None
         aside, returned = self._aside, self._returned
         for key in reversed(keys):
             try:
@@ -117,8 +84,6 @@ class LRUEvictionPolicy:
                     order[key] = None
 
     def on_keys_removed(self, keys: Sequence[ObjectKey]) -> None:
-        if self._pending:
-            self._apply_reads()
         self._last_read = None
         for key in keys:
             self._order.pop(key, None)
@@ -134,8 +99,6 @@ class LRUEvictionPolicy:
     def set_aside(self, keys: Sequence[ObjectKey]) -> None:
         """Leave ``keys`` (locked: L1 passed them over, in walk order) out of walks until
         ``put_back``; keys not offered by walks are ignored."""
-        if self._pending:
-            self._apply_reads()
         self._last_read = None
         order, aside, returned = self._order, self._aside, self._returned
         for key in keys:
@@ -151,15 +114,11 @@ class LRUEvictionPolicy:
     def put_back(self, keys: Sequence[ObjectKey]) -> None:
         """Offer ``keys`` (no longer locked) again, ahead of the order (see the class
         docstring); keys not set aside are ignored."""
-        if self._pending:
-            self._apply_reads()
         self._last_read = None
         aside = self._aside
         self._returned.add_many([(key, aside.pop(key)) for key in keys if key in aside])
 
     def victims(self) -> Iterator[ObjectKey]:
-        if self._pending:
-            self._apply_reads()
         returned = self._returned
         if returned.stored():
             returned.tidy()
