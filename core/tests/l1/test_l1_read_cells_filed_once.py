@@ -18,6 +18,7 @@ import pytest
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager
 from lmcache_tiers.l1 import reads as reads_module
+from lmcache_tiers.l1 import writes as writes_module
 from lmcache_tiers.l1.deadlines import LockDeadlines
 
 ALIGN = 4096
@@ -92,3 +93,22 @@ def test_locks_of_lookups_that_filed_nothing_end_at_their_deadline(l1: L1Manager
     assert not any(obj is not None and obj.read_locks for obj in objects)
     assert l1._table.locked_extent_bytes == 0
     assert not l1._table.locked
+
+
+def test_a_lock_joining_a_write_deadline_on_the_grid_is_reaped(
+    l1: L1Manager, clock: list[float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A committed object keeps no write deadline as its lock deadline: one on the grid
+    (a write TTL of the lock TTL, from a time on the grid) would read as a lock of this
+    cell already filed, and a reader's lock joining an L2 store's would never be reaped."""
+    monkeypatch.setattr(writes_module, "time", reads_module.time)
+    start = clock[0]
+    key = ObjectKey("test-filed-once", 0, b"on-grid")
+    assert all(l1.finish_write(list(l1.reserve_write([key], [ALIGN]))))  # its write deadline: start + TTL
+    stored = l1.reserve_store([key])
+    l1.reserve_read_prefix([key])  # the same deadline, start + TTL
+    l1.finish_store(stored.values())
+    obj = l1.get(key)
+    assert obj is not None and obj.read_locks == 1
+    assert l1.expire_locks(start + LOCK_TTL) == 1
+    assert not obj.read_locks and key not in l1._table.locked

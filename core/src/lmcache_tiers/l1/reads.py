@@ -186,6 +186,7 @@ class ReadLocks:
             # An object whose latest deadline is ``deadline`` was filed under it when it
             # took those locks, and stays filed until the cell ends (after ``deadline``,
             # later than now): only one taking its first lock of this cell must be filed.
+            # (A committed object keeps no write deadline there: ``make_ready``.)
             filed = True
             for obj in unique:
                 # A READY object is in ``locked`` exactly when it has read locks.

@@ -217,9 +217,11 @@ class WriteReservations:
             obj.state = _READY  # in the loop: a key repeated in ``objs`` is refused the second time
             del writing[obj]
             obj.read_locks = read_count
-            if read_count:
-                obj.lock_deadline = deadline
-            else:
+            # Never the write deadline left behind: a READY object's ``lock_deadline`` equal
+            # to a lookup's grid deadline says it is filed under that deadline's cell
+            # (``ReadLocks.lock_prefix``), and a write deadline may fall on the grid.
+            obj.lock_deadline = deadline
+            if not read_count:
                 del locked[obj.key]
                 unlocked_bytes += obj.extent_bytes
             made.append(obj)
