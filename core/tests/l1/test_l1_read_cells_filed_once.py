@@ -9,11 +9,10 @@ it) skips that pass.  Their locks must still end at their deadline.
 from __future__ import annotations
 
 import math
-import time
-import types
 from collections.abc import Iterator
 
 import pytest
+from l1_grid_clock import grid_clock
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager
@@ -29,11 +28,9 @@ ALL = [ObjectKey("test-filed-once", 0, index.to_bytes(8, "big")) for index in ra
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """The clock read locks take their deadlines from, at the end of a grid cell: a lock
-    taken then expires exactly its TTL later, one taken any later in the next cell."""
-    now = [2.0 ** max(8, math.ceil(math.log2(time.monotonic() + STEP)))]
-    monkeypatch.setattr(reads_module, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
-    return now
+    """The clock read locks and write reservations take their deadlines from, at the end
+    of a grid cell (``grid_clock``)."""
+    return grid_clock(monkeypatch, STEP, reads_module, writes_module)
 
 
 @pytest.fixture
@@ -95,13 +92,10 @@ def test_locks_of_lookups_that_filed_nothing_end_at_their_deadline(l1: L1Manager
     assert not l1._table.locked
 
 
-def test_a_lock_joining_a_write_deadline_on_the_grid_is_reaped(
-    l1: L1Manager, clock: list[float], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_lock_joining_a_write_deadline_on_the_grid_is_reaped(l1: L1Manager, clock: list[float]) -> None:
     """A committed object keeps no write deadline as its lock deadline: one on the grid
     (a write TTL of the lock TTL, from a time on the grid) would read as a lock of this
     cell already filed, and a reader's lock joining an L2 store's would never be reaped."""
-    monkeypatch.setattr(writes_module, "time", reads_module.time)
     start = clock[0]
     key = ObjectKey("test-filed-once", 0, b"on-grid")
     assert all(l1.finish_write(list(l1.reserve_write([key], [ALIGN]))))  # its write deadline: start + TTL

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import math
 import random
-import time
-import types
 from collections import Counter
 from collections.abc import Callable, Iterator
 
 import pytest
+from l1_grid_clock import grid_clock
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager, L1Object
@@ -37,15 +36,8 @@ ALL = [key(index) for index in range(KEYS)]
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """The clock read locks take their deadlines from, set by the test; it starts at the
-    beginning of a grid cell (a lock taken then expires exactly its TTL later).
-
-    At a power of two past the real clock, so that the times the tests take and their
-    deadlines share one binary exponent: a time one ulp past a cell's edge plus the TTL
-    rounds down onto the edge's deadline when the sum crosses a power of two (as it did
-    from a start in [448, 512)), and a lock meant for the next cell joined the last."""
-    now = [2.0 ** max(8, math.ceil(math.log2(time.monotonic() + STEP)))]
-    monkeypatch.setattr(reads_module, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
-    return now
+    beginning of a grid cell (``grid_clock``)."""
+    return grid_clock(monkeypatch, STEP, reads_module)
 
 
 @pytest.fixture
