@@ -19,6 +19,7 @@ from lmcache_tiers.controllers.l1_eviction import L1EvictionController
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager
+from lmcache_tiers.testing.hash_counting import HashCountingKey
 from lmcache_tiers.testing.policies import make_keys, put_back_past_an_unstored_key
 
 ALIGN = 4096
@@ -206,22 +207,6 @@ def test_set_aside_keys_leave_the_lru_order_of_the_others_unchanged(count: int) 
             aside |= set(passed)
         assert list(policy.victims()) == [key for key in reference if key not in aside]
         assert len(policy) == len(reference)
-
-
-class HashCountingKey:
-    """A key that counts how often anything hashes it."""
-
-    hashes = 0
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-    def __hash__(self) -> int:
-        HashCountingKey.hashes += 1
-        return self.index
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, HashCountingKey) and other.index == self.index
 
 
 def test_a_put_back_costs_its_own_keys_not_those_waiting() -> None:

@@ -9,25 +9,7 @@ import random
 from lmcache_plugin_frontend_native.sessions import INDEX_BACKLOG_KEYS, Session, SessionTable
 
 from lmcache_tiers.keys import ObjectKey
-
-
-class HashCountingKey:
-    """A key that counts how often anything hashes it."""
-
-    hashes = 0
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-    def __hash__(self) -> int:
-        HashCountingKey.hashes += 1
-        return self.index
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, HashCountingKey) and other.index == self.index
-
-    def __repr__(self) -> str:
-        return f"key{self.index}"
+from lmcache_tiers.testing.hash_counting import HashCountingKey
 
 
 def test_a_lookup_and_release_of_distinct_keys_hashes_none_of_them() -> None:
