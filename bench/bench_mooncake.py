@@ -34,7 +34,7 @@ figures include core's task hand-off (a worker thread, an eventfd) on every call
 its stores run on core's write-back thread, which is ``SCHED_IDLE`` while write-back
 keeps up: on a busy machine it runs after everything else.
 
-Throughput is one batch of ``--objects`` x ``--size`` (default 256 x 1 MiB); latency is
+Throughput is one batch of ``--objects`` x ``--size-mib`` (default 256 x 1 MiB); latency is
 per object, ``--objects`` single-object calls, p50 and p99.  Methods run interleaved,
 round by round (and object by object, who goes first alternating); every figure is the
 median of ``--repeat`` rounds and the ratio is the median of per-round ratios

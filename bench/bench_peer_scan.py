@@ -10,7 +10,7 @@ the host runs.  The figures are medians of ``--repeat`` lookups: the whole looku
 scan, which the front end runs on its worker thread) and the part its loop thread runs
 (``peer_socket``: the connection's addresses, no scan).
 
-    python bench/bench_peer_scan.py [--sleepers 0,500,2000] [--repeat 20]
+    python bench/bench_peer_scan.py [--sleepers 0,500] [--repeat 20]
 """
 
 from __future__ import annotations
