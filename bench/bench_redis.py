@@ -23,15 +23,17 @@ task -- ``load`` after an untimed lookup (an engine looks a chunk up when it sch
 request and loads it later), ``lookup+load`` both timed (what fetching one chunk costs
 end to end; redis-py's single ``GET`` needs no lookup, the adapter's contract pins and
 sizes a chunk first, so this row is the adapter's worst case).  Rounds interleave the two
-methods, and latencies interleave them object by object (a busy machine's drift hits both
-alike).  Each method's objects are deleted once it has loaded them, so every method stores
-into a server holding none of the others', into memory the one before it freed: left
-stored, the later methods' values took new pages the server had to fault in (~65,000 a
-round of 256 MiB) where redis-py's, the first of a round, reused some the last round freed
-(~50,000 faults), a head start that was the bench's order, not the client's.  Throughput
-is the median of ``--repeat`` rounds, latency percentiles are over every object of every
-round, each printed next to redis-py's and with the ratio of redis-py's latency to the
-adapter's (>= 0.8 is the target; throughput ratios are medians of per-round ratios, which
+methods, and load latencies interleave them object by object (a busy machine's drift hits
+both alike); store latencies are taken one method after the other, who goes first
+alternating from round to round (``one_at_a_time`` says why).  Each method's objects are
+deleted once it has loaded them, so every method stores into a server holding none of the
+others', into memory the one before it freed: left stored, the later methods' values took
+new pages the server had to fault in (~65,000 a round of 256 MiB) where redis-py's, the
+first of a round, reused some the last round freed (~50,000 faults), a head start that was
+the bench's order, not the client's.  Throughput is the median of ``--repeat`` rounds,
+latency percentiles are over every object of every round, each printed next to redis-py's
+and with the ratio of redis-py's latency to the adapter's (>= 0.8 is the target;
+throughput ratios are medians of per-round ratios, which
 cancels most of a shared machine's drift).
 
     python bench/bench_redis.py [--objects 256] [--size-mib 1] [--batch 32] [--repeat 5] [--json]
@@ -178,14 +180,30 @@ def elapsed(step: Callable[..., object], *args: object) -> float:
 
 
 def one_at_a_time(
-    direct: Direct, through: ThroughAdapter, count: int, rounds: dict[str, dict[str, list[float]]]
+    direct: Direct,
+    through: ThroughAdapter,
+    count: int,
+    rounds: dict[str, dict[str, list[float]]],
+    number: int,
 ) -> None:
-    """Per-object latencies, the two methods interleaved object by object (who goes first
-    alternates) so that a shared machine's drift hits both alike."""
-    for index in range(count):
-        stores = [("redis-py", direct.store_one), ("adapter", through.store_one)]
-        for name, store in stores if index % 2 else stores[::-1]:
-            rounds[name]["store_lat"].append(elapsed(store, index))
+    """Per-object latencies of round ``number``: stores one method after the other (who
+    goes first alternates from round to round), each method's objects deleted before the
+    other's stores, then loads interleaved object by object, so that a shared machine's
+    drift hits both alike.
+
+    Stores are not interleaved object by object: the server frees memory after every
+    adapter store (an ``HSET`` copies its value out of the request's buffer, then frees
+    that buffer) which a ``SET`` sent right after takes over (a ``SET`` keeps the request's
+    buffer as the value), so interleaved, redis-py's values landed in pages the adapter's
+    stores had just faulted in and the adapter's in new ones: ~0.5 ms of page faults per
+    MiB moved from one side's latency to the other's."""
+    stores = [("redis-py", direct), ("adapter", through)]
+    for name, method in stores if number % 2 else stores[::-1]:
+        for index in range(count):
+            rounds[name]["store_lat"].append(elapsed(method.store_one, index))
+        method.clear()
+    direct.store(range(count))  # the objects the loads read, stored untimed
+    through.store(range(count))
     # Each of the three timed loads writes another object's buffer (a third of the objects
     # apart), so none lands in a buffer the one before just left in the CPU's cache.
     ours, theirs = rounds["adapter"], rounds["redis-py"]
@@ -229,7 +247,7 @@ def run(objects: int, size: int, batch: int, repeat: int) -> dict[str, dict[str,
             }
             direct, through = methods["redis-py"], methods["adapter"]
             assert isinstance(direct, Direct) and isinstance(through, ThroughAdapter)
-            for _ in range(repeat):
+            for number in range(repeat):
                 for name, method in methods.items():
                     rounds[name]["store"].append(objects * size / timed(method.store, objects, batch) / 1e9)
                     np.frombuffer(dest, dtype=np.uint8)[:] = 0  # a load must write every byte
@@ -238,7 +256,7 @@ def run(objects: int, size: int, batch: int, repeat: int) -> dict[str, dict[str,
                     # Every method's stores find the server as redis-py's do, its memory the
                     # one before just freed (see the docstring).
                     method.clear()
-                one_at_a_time(direct, through, objects, rounds)
+                one_at_a_time(direct, through, objects, rounds, number)
                 np.frombuffer(dest, dtype=np.uint8)[:] = 0
                 for index in range(objects):  # the last object-at-a-time pass was the adapter's
                     through.load_one_looked_up(index)()
