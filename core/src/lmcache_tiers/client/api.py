@@ -89,11 +89,11 @@ def _segment_identity(hello: p.HelloReply) -> tuple[Any, ...]:
     )
 
 
-def _check_slot(segment: MappedSegment, slot: p.Slot) -> None:
-    """A slot the server named must lie in the mapped arena: else the server and this
+def _check_slots(segment: MappedSegment, slots: list[p.Slot]) -> None:
+    """The slots the server named must lie in the mapped arena: else the server and this
     mapping disagree, which is the server's answer at fault, not the caller's."""
     try:
-        segment.check_slot(slot.offset, slot.size)
+        segment.check_slots(slots)
     except ValueError as exc:
         raise ProtocolError(f"the server named {exc}") from None
 
@@ -350,10 +350,13 @@ class Client(Connection):
         else:
             layouts = _checked_layouts(layouts, len(keys))
         arrays = [as_byte_array(buffer) for buffer in buffers]
-        if any(array.nbytes == 0 for array in arrays):
+        sizes = [array.nbytes for array in arrays]
+        if 0 in sizes:
             raise ValueError("cannot store an empty buffer")
-        for layout, array in zip(layouts, arrays, strict=True):
-            check_layout(layout, array.nbytes)
+        # A store's chunks are mostly of one layout and size: each pair is checked once
+        # (in the order given, so the first one at fault is the one named).
+        for layout, size in dict.fromkeys(zip(layouts, sizes, strict=True)):
+            check_layout(layout, size)
         chosen = list(layouts)
         return self._on_current_server(lambda: self._store_now(keys, arrays, chosen, l1_only))
 
@@ -422,9 +425,9 @@ class Client(Connection):
                     continue
                 if slot.size != array.nbytes:
                     raise ProtocolError(f"reserved {slot.size} bytes for a {array.nbytes}-byte buffer")
-                _check_slot(segment, slot)
                 slots.append(slot)
                 sources.append(array)
+            _check_slots(segment, slots)
             # A reservation that already changed hands (this process stalled past the write
             # TTL and its grace period) is not written into: that extent is someone else's
             # now.  Its commit is refused by the server, which expired it.
@@ -719,8 +722,7 @@ class Client(Connection):
                     raise _ServerChanged(self.url)  # the slots may be another segment's
                 if len(reply.slots) > len(batch):
                     raise ProtocolError(f"RETRIEVE answered {len(reply.slots)} slots for {len(batch)} keys")
-                for slot in reply.slots:
-                    _check_slot(segment, slot)
+                _check_slots(segment, reply.slots)
                 slots.extend(reply.slots)
                 if len(reply.slots) < len(batch):
                     break

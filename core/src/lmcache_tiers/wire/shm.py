@@ -33,8 +33,8 @@ import re
 import stat
 import sys
 import threading
-from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -46,6 +46,11 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}\Z")  # \Z: $ also matches befor
 
 #: Anything ``store`` accepts: bytes-likes, numpy arrays, torch CPU tensors.
 BufferLike = Any
+
+
+class _Extent(NamedTuple):
+    offset: int
+    size: int
 
 
 class SegmentMismatch(Exception):
@@ -175,10 +180,19 @@ class MappedSegment:
         return self.generation_block > 0
 
     def check_slot(self, offset: int, size: int) -> None:
-        # Objects have at least one byte: an empty slot at the arena's end would name a
-        # generation entry past the table's last one.
-        if offset < 0 or size < 1 or offset + size > self.data_size:
-            raise ValueError(f"slot ({offset}, {size}) lies outside the {self.data_size}-byte arena")
+        self.check_slots((_Extent(offset, size),))
+
+    def check_slots(self, slots: Iterable[SlotLike | _Extent]) -> None:
+        """Raise ValueError naming the first slot that is not in the arena.  One call for a
+        request's slots: a call per slot cost a store of hundreds of small chunks more
+        than the bounds tests it made."""
+        data_size = self.data_size
+        for slot in slots:
+            offset, size = slot.offset, slot.size
+            # Objects have at least one byte: an empty slot at the arena's end would name a
+            # generation entry past the table's last one.
+            if offset < 0 or size < 1 or offset + size > data_size:
+                raise ValueError(f"slot ({offset}, {size}) lies outside the {data_size}-byte arena")
 
     def changed(self, slots: Sequence[SlotLike]) -> list[int]:
         """Positions of the slots whose extent has changed hands since the server handed
@@ -269,12 +283,21 @@ class MappedSegment:
             pass  # a view the caller kept (np.frombuffer of one) holds the mapping: GC unmaps it
 
 
+_UINT8 = np.dtype(np.uint8)
+
+
 def as_byte_array(buffer: BufferLike) -> np.ndarray[Any, np.dtype[np.uint8]]:
     """A flat uint8 numpy view of ``buffer`` without copying when it is contiguous.
 
     Accepts bytes, bytearray, memoryview, numpy arrays (any dtype) and torch CPU tensors
     (any dtype, including bfloat16, which numpy itself cannot represent).
     """
+    if type(buffer) is np.ndarray and buffer.flags.c_contiguous:
+        # Every chunk of a store passes here: a contiguous array is viewed with as few
+        # numpy calls as it takes (a flat uint8 one is already what is asked for).
+        if buffer.dtype is _UINT8 and buffer.ndim == 1:
+            return buffer
+        return buffer.reshape(-1).view(_UINT8)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(buffer, torch.Tensor):
         if buffer.device.type != "cpu":

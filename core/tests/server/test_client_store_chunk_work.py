@@ -1,0 +1,100 @@
+"""What a store does per chunk before and after its reservation, which a store of many
+small chunks pays for chunk by chunk: a flat uint8 array is stored from itself (no view
+made of it), each distinct (layout, size) pair is checked once, and the slots the server
+names are checked in one call per request; none of it lets a wrong layout or slot through."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+from lmcache_tiers.client import Client, ProtocolError
+from lmcache_tiers.client import api as client_api
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.wire import protocol as p
+from lmcache_tiers.wire.shm import MappedSegment, as_byte_array
+
+
+def keys_of(count: int) -> list[ObjectKey]:
+    salt = os.urandom(6)
+    return [ObjectKey("unit", 0, salt + bytes([index])) for index in range(count)]
+
+
+def test_a_flat_uint8_array_is_its_own_byte_view_and_others_are_viewed_flat() -> None:
+    flat = np.arange(64, dtype=np.uint8)
+    assert as_byte_array(flat) is flat
+    numbers = np.arange(24, dtype=np.float16).reshape(2, 3, 4)
+    viewed = as_byte_array(numbers)
+    assert viewed.dtype == np.uint8 and viewed.shape == (48,) and np.shares_memory(viewed, numbers)
+    assert viewed.tobytes() == numbers.tobytes()
+    strided = np.arange(32, dtype=np.uint8)[::2]  # not contiguous: a contiguous copy
+    assert as_byte_array(strided).tobytes() == strided.tobytes()
+    matrix = np.asarray(np.arange(6, dtype=np.uint8).reshape(2, 3)).view(np.matrix)  # a subclass
+    assert as_byte_array(matrix).shape == (6,)
+
+
+def test_a_store_checks_each_layout_and_size_once(
+    server: TiersServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checked: list[tuple[str, int]] = []
+    real_check = client_api.check_layout  # type: ignore[attr-defined]
+
+    def counting_check(text: str, size: int) -> None:
+        checked.append((text, size))
+        real_check(text, size)
+
+    monkeypatch.setattr(client_api, "check_layout", counting_check)
+    chunks = [np.full(256, index, dtype=np.uint8) for index in range(16)] + [np.zeros((4, 8), np.float16)]
+    keys = keys_of(len(chunks))
+    with Client(server.endpoint) as client:
+        assert client.store(keys, chunks) == len(chunks)
+        assert checked == [("uint8[256]", 256), ("float16[4,8]", 64)]
+        with client.retrieve(keys) as views:
+            assert [bytes(view) for view in views] == [chunk.tobytes() for chunk in chunks]
+        # A layout given that does not fit its bytes is still refused, the first one at fault named.
+        layouts = ["uint8[64]", "uint8[64]", "uint8[63]", "uint8[62]"]
+        more = keys_of(4)
+        with pytest.raises(ValueError, match=r"layout uint8\[63\] describes 63 bytes"):
+            client.store(more, [bytes(64)] * 4, layouts=layouts)
+        assert client.lookup(more) == 0
+
+
+def test_a_slot_outside_the_arena_aborts_the_store_unwritten(
+    server: TiersServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checks: list[int] = []
+    real_check_slots = MappedSegment.check_slots
+
+    def counting_check_slots(segment: MappedSegment, slots: Any) -> None:
+        checks.append(len(list(slots)))
+        real_check_slots(segment, slots)
+
+    monkeypatch.setattr(MappedSegment, "check_slots", counting_check_slots)
+    keys = keys_of(8)
+    with Client(server.endpoint) as client:
+        assert client.uses_shm
+        assert client.store(keys, [bytes([index]) * 512 for index in range(8)]) == 8
+        assert checks == [8]  # one call for the request's slots
+
+        real_call = client._call
+        segment = client._segment
+        assert segment is not None
+
+        def reserve_past_the_end(request: Any, expect: Any, *args: Any, **kwargs: Any) -> Any:
+            reply = real_call(request, expect, *args, **kwargs)
+            if isinstance(request, p.StoreReserve):
+                last = reply.slots[-1]
+                reply.slots[-1] = p.Slot(segment.data_size - 100, last.size, last.generation)
+            return reply
+
+        monkeypatch.setattr(client, "_call", reserve_past_the_end)
+        more = keys_of(3)
+        with pytest.raises(ProtocolError, match="the server named slot"):
+            client.store(more, [b"z" * 512] * 3)
+        monkeypatch.setattr(client, "_call", real_call)
+        assert client.lookup(more) == 0  # aborted: none committed
+        assert client.store(more, [b"z" * 512] * 3) == 3
