@@ -7,7 +7,8 @@ cached targets takes 2.5, on 4 KiB and 2 MiB pages alike), and a range of the ma
 process never touched needs its page tables populated first, about half a copy's time
 again on 4 KiB pages.  A store or retrieve of a request (tens of MiB) is therefore cut into
 pieces that the calling thread and one helper thread copy side by side, each taking the
-next piece nobody has taken yet (and populating it first when asked):
+next pieces nobody has taken yet, about ``GROUP_BYTES`` of them at a time (and populating
+each first when asked):
 
 * the calling thread takes pieces from the front, the helper from the back, so each
   works through a range of its own and they meet somewhere in the middle: two threads
@@ -42,6 +43,11 @@ from lmcache_tiers.wire.after_fork import renew_locks_after_fork
 
 #: copies of fewer bytes run in the calling thread alone
 SPLIT_MIN_BYTES = 4 << 20
+#: a thread takes pieces of a split copy this many bytes at a time (one piece at least):
+#: the job's lock twice per piece of a store of 256 KiB chunks costs more than the
+#: bookkeeping it guards, and a group is short enough that the other thread waits at most
+#: that long at the end
+GROUP_BYTES = 1 << 20
 
 #: one piece: copy ``source`` into ``target`` (same size), after ``prepare(block)`` unless
 #: ``block`` is negative
@@ -51,41 +57,45 @@ Piece = tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], int]
 class _Job:
     """Pieces of one copy and who has taken which; its condition guards every field."""
 
-    __slots__ = ("back", "error", "front", "pieces", "prepare", "running", "settled")
+    __slots__ = ("back", "error", "front", "group", "pieces", "prepare", "running", "settled")
 
-    def __init__(self, pieces: Sequence[Piece], prepare: Callable[[int], object]) -> None:
+    def __init__(self, pieces: Sequence[Piece], prepare: Callable[[int], object], total: int) -> None:
         self.pieces = pieces
         self.prepare = prepare
+        # pieces taken at a time: GROUP_BYTES of pieces of the average size
+        self.group = max(1, GROUP_BYTES * len(pieces) // max(1, total))
         # Pieces [front, back) are not taken yet (none are once one failed): the calling
         # thread takes them from the front, the helper from the back.
         self.front = 0
         self.back = len(pieces)
-        self.running = 0  # pieces taken and not yet done with
+        self.running = 0  # groups taken and not yet done with
         self.error: BaseException | None = None
         self.settled = threading.Condition()
 
     def work(self, from_back: bool = False) -> None:
-        """Copy pieces, taking them from the front (or the back), until none is left."""
-        pieces = self.pieces
+        """Copy pieces, taking a group of them at a time from the front (or the back),
+        until none is left."""
+        pieces, group = self.pieces, self.group
         while True:
             with self.settled:
                 if self.front >= self.back:
                     return
                 if from_back:
-                    self.back -= 1
-                    index = self.back
+                    taken = range(max(self.front, self.back - group), self.back)
+                    self.back = taken.start
                 else:
-                    index = self.front
-                    self.front += 1
+                    taken = range(self.front, min(self.back, self.front + group))
+                    self.front = taken.stop
                 self.running += 1
-            target, source, block = pieces[index]
             failed: BaseException | None = None
             try:
-                if block >= 0:
-                    self.prepare(block)
-                target[...] = source
-            except BaseException as exc:  # re-raised in the calling thread
-                failed = exc
+                for index in taken:
+                    target, source, block = pieces[index]
+                    if block >= 0:
+                        self.prepare(block)
+                    target[...] = source
+            except BaseException as exc:  # re-raised in the calling thread; the rest of
+                failed = exc  # the group is left alone, as are the pieces nobody took
             with self.settled:
                 self.running -= 1
                 if failed is not None and self.error is None:
@@ -93,7 +103,7 @@ class _Job:
                     self.front = self.back  # nobody starts another piece
                 if not self.running and self.front >= self.back:
                     # ``wait`` (called once nothing is left to take) waits for this alone:
-                    # a notify per piece costs a store of many small chunks more than its
+                    # a notify per group costs a store of many small chunks more than its
                     # bookkeeping does.
                     self.settled.notify_all()
 
@@ -179,7 +189,7 @@ class SplitCopier:
         helper_queue = self._queue
         offered = False
         if len(pieces) > 1 and total >= SPLIT_MIN_BYTES:
-            job = _Job(pieces, prepare)
+            job = _Job(pieces, prepare, total)
             with helper_queue.lock:
                 offered = not helper_queue.stopped
                 if offered:
