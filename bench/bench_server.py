@@ -11,8 +11,9 @@ that LOOKUP with a reply of a LOOKUP reply's size), measured in this run right b
 right after the server's figures, and in rounds that alternate with rounds of the
 client's LOOKUPs (the ratio of each pair of rounds, whose median is the figure the
 target is judged on: both sides see the same load on the machine); and
-PING and LOOKUP are sent to the server through a bare DEALER socket too, which splits a
-round trip into the server's share and the client library's.  How
+PING and LOOKUP are sent to the server through a bare DEALER socket too, next to the echo
+process answering the same bytes, placed as those rounds are, which splits a round trip
+into the transport's, the server's and the client library's shares.  How
 fast a sequential round trip can be depends on where the scheduler puts the two processes
 (sharing a core, or each on its own), so the floor moves with the machine and the load on
 it; the ratio to it does not.  What each key adds to a LOOKUP is the gap between a long
@@ -328,35 +329,53 @@ def lookup_against_floor(
     )
 
 
-def bare_requests(url: str, lookup_keys: int, requests: int) -> tuple[float, float]:
-    """p50 in microseconds of a PING and of a ``lookup_keys``-key LOOKUP (keys in L1) sent to
-    the server through a bare DEALER socket, in alternating rounds: the server's share of a
-    round trip, without the client library's."""
+def bare_requests(
+    url: str, transport: str, lookup_keys: int, requests: int, server_pid: int | None = None
+) -> tuple[float, float, float, float]:
+    """p50 in microseconds of a PING and of a ``lookup_keys``-key LOOKUP (keys in L1) sent
+    through a bare DEALER socket to the server, then of the same request bytes to an echo
+    process, in alternating rounds: the server's share of a round trip, without the
+    client library's, next to the transport's.  Placed as ``lookup_against_floor`` places
+    its rounds (this process on one CPU, the server and the echo process on another):
+    figures of one placement only compare with figures of the same placement, which can
+    be twice as fast as another."""
     salt = f"bench-bare-{os.getpid()}"
     keys = [ObjectKey("bench-bare", 0, index.to_bytes(4, "big") * 8, 0, salt) for index in range(lookup_keys)]
     ping, lookup = p.encode(p.Ping(1, "")), p.encode(p.Lookup(2, "", keys))
-    samples: dict[bytes, list[float]] = {ping: [], lookup: []}
-    with Client(url) as client:
+    served: dict[bytes, list[float]] = {ping: [], lookup: []}
+    echoed: dict[bytes, list[float]] = {ping: [], lookup: []}
+    placement = floor_placement(server_pid)
+    with echo_process(transport) as (echo_url, echo_pid), Client(url) as client:
         client.store(keys, [bytes(4096)] * lookup_keys, l1_only=True)
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVTIMEO, 10_000)
         sock.connect(url)
+        echo = echo_socket(echo_url)
+        placements = {}
+        if placement is not None and server_pid is not None:
+            placements = {os.getpid(): placement[0], server_pid: placement[1], echo_pid: placement[1]}
         try:
             rounds = 10
-            for _ in range(rounds):
-                for request in (ping, lookup):
-                    for _ in range(max(1, requests // (2 * rounds))):
-                        start = time.perf_counter_ns()
-                        sock.send(request)
-                        sock.recv()
-                        samples[request].append((time.perf_counter_ns() - start) / 1e3)
-                sock.send(p.encode(p.Release(3, "", keys)))  # this socket's lookups locked them
-                sock.recv()
+            per_round = max(1, requests // (2 * rounds))
+            with pinned(placements):
+                for number in range(rounds):
+                    for request in (ping, lookup):
+                        sides = ((sock, served), (echo, echoed))
+                        for socket, samples in sides if number % 2 else sides[::-1]:
+                            samples[request].extend(echo_round_trips(socket, request, per_round)[1])
+                    sock.send(p.encode(p.Release(3, "", keys)))  # this socket's lookups locked them
+                    sock.recv()
         finally:
             sock.close(0)
+            echo.close(0)
             client.evict(keys)
-    return statistics.median(samples[ping]), statistics.median(samples[lookup])
+    return (
+        statistics.median(served[ping]),
+        statistics.median(served[lookup]),
+        statistics.median(echoed[ping]),
+        statistics.median(echoed[lookup]),
+    )
 
 
 def placed(placement: tuple[int, int] | None) -> str:
@@ -516,7 +535,9 @@ def main() -> None:
         alternating = lookup_against_floor(
             url, transport, args.lookup_keys, args.lookup_requests, None if proc is None else proc.pid
         )
-        bare_ping, bare_lookup = bare_requests(url, args.lookup_keys, args.lookup_requests // 2)
+        bare = bare_requests(
+            url, transport, args.lookup_keys, args.lookup_requests // 2, None if proc is None else proc.pid
+        )
         slope = None
         distinct_slope = release_slope = unseen_slope = (0.0, 0.0)
         if args.long_lookup_keys > args.lookup_keys:
@@ -552,7 +573,8 @@ def main() -> None:
         data["lookup_vs_zmq_echo_alternating"] = alternating[0]
         data["alternating_lookup_echo_per_s"] = [alternating[1], alternating[2]]
         data["alternating_cpus_client_server"] = list(alternating[3]) if alternating[3] else None
-        data["bare_socket_ping_lookup_p50_us"] = [bare_ping, bare_lookup]
+        data["bare_socket_ping_lookup_p50_us"] = list(bare[:2])
+        data["bare_socket_echo_ping_lookup_p50_us"] = list(bare[2:])
         if slope is not None:
             added = args.long_lookup_keys - args.lookup_keys
             data["long_lookup_keys"] = args.long_lookup_keys
@@ -591,8 +613,9 @@ def main() -> None:
         f"LOOKUP {keys} against the bare round trip in alternating rounds: {alternating[0]:.2f}x "
         f"(median of {FLOOR_ROUNDS} pairs; {alternating[1]:,.0f} vs {alternating[2]:,.0f} req/s; "
         f"{placed(alternating[3])}; target >= {LOOKUP_FLOOR_TARGET}x)",
-        f"the same through a bare DEALER socket, no client library: PING p50 {bare_ping:.0f} us, "
-        f"LOOKUP {keys} p50 {bare_lookup:.0f} us (the client's PING p50 {result.ping_p50_us:.0f} us)",
+        f"the same through a bare DEALER socket, no client library, placed as the alternating rounds: "
+        f"PING p50 {bare[0]:.0f} us, LOOKUP {keys} p50 {bare[1]:.0f} us; the echo process answering "
+        f"the same bytes {bare[2]:.0f} / {bare[3]:.0f} us",
     ]
     if slope is not None:
         added = args.long_lookup_keys - args.lookup_keys
