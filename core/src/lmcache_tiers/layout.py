@@ -186,7 +186,7 @@ def reader_layout_of(buffer: object) -> str:
 
 
 def _tensor_layout(tensor: Any) -> str:
-    return _layout_text(_torch_dtype_name(tensor.dtype), tuple(int(dim) for dim in tensor.shape))
+    return _layout_text(_torch_dtype_name(tensor.dtype), tuple(map(int, tensor.shape)))
 
 
 def _array_layout(array: Any) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from lmcache_tiers.client import Client, ProtocolError
 from lmcache_tiers.client import api as client_api
@@ -98,3 +99,34 @@ def test_a_slot_outside_the_arena_aborts_the_store_unwritten(
         monkeypatch.setattr(client, "_call", real_call)
         assert client.lookup(more) == 0  # aborted: none committed
         assert client.store(more, [b"z" * 512] * 3) == 3
+
+
+def test_a_contiguous_cpu_tensor_is_viewed_as_bytes_without_the_general_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # detach, contiguous and a flat reshape cost a microsecond each per chunk: a tensor
+    # that is already contiguous and needs no grad is viewed as its bytes directly.
+    tensor = torch.arange(64, dtype=torch.float32).to(torch.bfloat16).reshape(2, 4, 8)
+    want = tensor.view(torch.int16).numpy().tobytes()
+    for method in ("detach", "contiguous"):
+        monkeypatch.setattr(torch.Tensor, method, lambda self, *args, **kwargs: pytest.fail("general path"))
+    viewed = as_byte_array(tensor)
+    assert viewed.dtype == np.uint8 and viewed.shape == (128,) and viewed.tobytes() == want
+    assert np.shares_memory(viewed, tensor.view(torch.uint8).numpy())  # a view, not a copy
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.tensor(3.5),  # 0-dim: no byte view of it
+        torch.ones(4, requires_grad=True),  # numpy refuses a tensor needing grad
+        torch.arange(12, dtype=torch.int16).reshape(3, 4).T,  # not contiguous: copied
+        torch.arange(10, dtype=torch.int16)[2:],  # contiguous, at an offset in its storage
+        torch.tensor([True, False, True]),
+    ],
+    ids=["0-dim", "requires-grad", "transposed", "offset", "bool"],
+)
+def test_every_tensor_is_viewed_as_its_row_major_bytes(tensor: torch.Tensor) -> None:
+    want = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    viewed = as_byte_array(tensor)
+    assert viewed.dtype == np.uint8 and viewed.ndim == 1 and viewed.tobytes() == want
