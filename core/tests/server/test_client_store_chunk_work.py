@@ -123,10 +123,27 @@ def test_a_contiguous_cpu_tensor_is_viewed_as_bytes_without_the_general_path(
         torch.arange(12, dtype=torch.int16).reshape(3, 4).T,  # not contiguous: copied
         torch.arange(10, dtype=torch.int16)[2:],  # contiguous, at an offset in its storage
         torch.tensor([True, False, True]),
+        # contiguous by torch's rules (a dimension of one element has any stride), yet its
+        # last stride is 4, which view(torch.uint8) refuses for a 2-byte dtype
+        torch.arange(4, dtype=torch.float32).to(torch.bfloat16).reshape(1, 4).T,
     ],
-    ids=["0-dim", "requires-grad", "transposed", "offset", "bool"],
+    ids=["0-dim", "requires-grad", "transposed", "offset", "bool", "transposed-row"],
 )
 def test_every_tensor_is_viewed_as_its_row_major_bytes(tensor: torch.Tensor) -> None:
     want = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     viewed = as_byte_array(tensor)
     assert viewed.dtype == np.uint8 and viewed.ndim == 1 and viewed.tobytes() == want
+
+
+def test_a_transposed_row_is_stored_and_retrieved_into(server: TiersServer) -> None:
+    # A column made by transposing a row is contiguous to torch but cannot be viewed as
+    # bytes directly: it is stored, and retrieved into, through the general path.
+    column = torch.arange(64, dtype=torch.float32).to(torch.bfloat16).reshape(1, 64).T
+    assert column.is_contiguous() and column.stride(-1) != 1
+    keys = keys_of(1)
+    with Client(server.endpoint) as client:
+        assert client.store(keys, [column]) == 1
+        assert client.lookup(keys) == 1
+        into = torch.zeros(64, dtype=torch.bfloat16).reshape(1, 64).T
+        assert client.retrieve_into(keys, [into]) == 1
+    assert torch.equal(into, column)

@@ -306,8 +306,16 @@ def as_byte_array(buffer: BufferLike) -> np.ndarray[Any, np.dtype[np.uint8]]:
             # The usual chunk, at half the cost of the general path below (each torch
             # call there costs about a microsecond, and a store has hundreds of chunks).
             # A 0-dim tensor cannot be viewed as bytes, nor a tensor needing grad as numpy.
-            viewed: np.ndarray[Any, Any] = buffer.view(torch.uint8).numpy().reshape(-1)
-            return viewed
+            try:
+                viewed: np.ndarray[Any, Any] = buffer.view(torch.uint8).numpy().reshape(-1)
+            except RuntimeError:
+                # Contiguous to torch yet not viewable: a last dimension of one element
+                # whose stride is not 1 (a transposed row), which view refuses for a wider
+                # dtype; the general path reshapes it first.  A catch costs nothing when
+                # nothing is raised, where testing the stride cost a quarter microsecond.
+                pass
+            else:
+                return viewed
         flat = buffer.detach().contiguous().reshape(-1)
         array: np.ndarray[Any, Any] = flat.view(torch.uint8).numpy()
         return array
