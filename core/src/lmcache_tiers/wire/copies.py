@@ -17,7 +17,7 @@ each first when asked):
   in two halves, and 1.7 ms on one thread);
 * nobody waits for the helper to wake up: the calling thread starts on the first piece at
   once, and on a machine too busy to run the helper soon it simply copies every piece
-  itself; it waits at most for the one piece the helper is copying when the rest are done;
+  itself; it waits at most for the group the helper is copying when the rest are done;
 * the helper can be started ahead of the first copy (``start``: a client does it at
   connect), so a fresh client's first store does not pay for creating a thread;
 * copies under ``SPLIT_MIN_BYTES`` stay in the calling thread (a hand-off costs more than
@@ -43,10 +43,12 @@ from lmcache_tiers.wire.after_fork import renew_locks_after_fork
 
 #: copies of fewer bytes run in the calling thread alone
 SPLIT_MIN_BYTES = 4 << 20
-#: a thread takes pieces of a split copy this many bytes at a time (one piece at least):
-#: the job's lock twice per piece of a store of 256 KiB chunks costs more than the
+#: a thread takes pieces of a split copy about this many bytes at a time (one piece at
+#: least): the job's lock twice per piece of a store of 256 KiB chunks costs more than the
 #: bookkeeping it guards, and a group is short enough that the other thread waits at most
-#: that long at the end
+#: that long at the end.  A group is counted in pieces of the copy's average size: a
+#: store's pieces are of about one size (its chunks, or ``COPY_PIECE`` blocks of larger
+#: ones), and where they are not, a group of its larger pieces holds more bytes
 GROUP_BYTES = 1 << 20
 
 #: one piece: copy ``source`` into ``target`` (same size), after ``prepare(block)`` unless
@@ -62,7 +64,8 @@ class _Job:
     def __init__(self, pieces: Sequence[Piece], prepare: Callable[[int], object], total: int) -> None:
         self.pieces = pieces
         self.prepare = prepare
-        # pieces taken at a time: GROUP_BYTES of pieces of the average size
+        # pieces taken at a time: GROUP_BYTES of pieces of the average size (counted, not
+        # summed under the lock)
         self.group = max(1, GROUP_BYTES * len(pieces) // max(1, total))
         # Pieces [front, back) are not taken yet (none are once one failed): the calling
         # thread takes them from the front, the helper from the back.
