@@ -85,9 +85,12 @@ def test_a_slot_outside_the_arena_aborts_the_store_unwritten(
         segment = client._segment
         assert segment is not None
 
+        reserved: list[p.Slot] = []
+
         def reserve_past_the_end(request: Any, expect: Any, *args: Any, **kwargs: Any) -> Any:
             reply = real_call(request, expect, *args, **kwargs)
             if isinstance(request, p.StoreReserve):
+                reserved.extend(reply.slots)
                 last = reply.slots[-1]
                 reply.slots[-1] = p.Slot(segment.data_size - 100, last.size, last.generation)
             return reply
@@ -97,6 +100,10 @@ def test_a_slot_outside_the_arena_aborts_the_store_unwritten(
         with pytest.raises(ProtocolError, match="the server named slot"):
             client.store(more, [b"z" * 512] * 3)
         monkeypatch.setattr(client, "_call", real_call)
+        # refused before any copy: the slots in the arena were not written either
+        assert len(reserved) == 3
+        for slot in reserved[:2]:
+            assert segment.array[slot.offset : slot.offset + slot.size].tobytes() != b"z" * 512
         assert client.lookup(more) == 0  # aborted: none committed
         assert client.store(more, [b"z" * 512] * 3) == 3
 
