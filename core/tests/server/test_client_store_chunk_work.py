@@ -154,3 +154,18 @@ def test_a_transposed_row_is_stored_and_retrieved_into(server: TiersServer) -> N
         into = torch.zeros(64, dtype=torch.bfloat16).reshape(1, 64).T
         assert client.retrieve_into(keys, [into]) == 1
     assert torch.equal(into, column)
+
+
+def test_a_tensor_on_another_device_is_refused_before_any_request(server: TiersServer) -> None:
+    # No accelerator here: a meta tensor stands for one (is_cpu is False for both), and
+    # must never reach numpy, which would read or write host memory at its address.
+    elsewhere = torch.zeros(2, 64, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(TypeError, match="only CPU tensors can be stored directly, got one on meta"):
+        as_byte_array(elsewhere)
+    keys = keys_of(2)
+    with Client(server.endpoint) as client:
+        with pytest.raises(TypeError, match="only CPU tensors"):
+            client.store(keys, [torch.zeros(2, 64, dtype=torch.bfloat16), elsewhere])
+        assert client.lookup(keys) == 0  # refused whole, the CPU chunk beside it too
+        with pytest.raises(TypeError, match="only CPU tensors"):
+            client.retrieve_into(keys, [elsewhere, elsewhere])
