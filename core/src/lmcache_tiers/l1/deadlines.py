@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 
 from lmcache_tiers.l1.objects import L1Object
 
@@ -43,6 +44,9 @@ class LockDeadlines:
         #: WRITING objects, in the order they were reserved (= the order they expire in)
         self.writing: dict[L1Object, None] = {}
         self._stalled: set[L1Object] = set()
+        #: the latest time a reap looked for ended cells at: a cell whose end is later was
+        #: never emptied, so every object filed under it is still there
+        self.reaped_through = -math.inf
 
     def reading(self, deadline: float) -> set[L1Object]:
         """The set to add the objects that just took read locks expiring at ``deadline``."""
@@ -64,6 +68,8 @@ class LockDeadlines:
         died holding 100k locks made one pass hold the L1 lock for 110-200 ms.  The cells
         come first: objects whose stores stay slow, stalled again pass after pass, must not
         keep the budget from the locks the reap can end."""
+        if now > self.reaped_through:
+            self.reaped_through = now
         due: list[L1Object] = []
         ends, cells = self._ends, self._cells
         while ends and ends[0] <= now and len(due) < limit:
@@ -116,6 +122,7 @@ class LockDeadlines:
         return due
 
     def clear(self) -> None:
+        self.reaped_through = math.inf  # nothing is filed any more
         self._cells.clear()
         self._ends.clear()
         self.writing.clear()

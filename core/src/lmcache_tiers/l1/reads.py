@@ -184,8 +184,13 @@ class ReadLocks:
             locked_bytes = 0
             # An object whose latest deadline is ``deadline`` was filed under it when it
             # took those locks, and stays filed until the cell ends (after ``deadline``,
-            # later than now): only one taking its first lock of this cell must be filed.
-            # (A committed object keeps no write deadline there: ``make_ready``.)
+            # later than now), released since or not (a release takes nothing out, and
+            # leaves the deadline): only one taking its first lock of this cell must be
+            # filed.  (A committed object keeps no write deadline there: ``make_ready``.)
+            # Unless a reap was given a time past the clock's (``expire_locks(inf)``) and
+            # emptied the cell before it ended: then every object is filed again (NaN
+            # equals no deadline).
+            filed_at = deadline if deadline > table.deadlines.reaped_through else math.nan
             filed = True
             for obj in unique:
                 # A READY object is in ``locked`` exactly when it has read locks.
@@ -193,9 +198,12 @@ class ReadLocks:
                     locked[obj.key] = obj
                     locked_bytes += obj.extent_bytes
                     obj.read_locks = count
-                    obj.lock_deadline = deadline
-                    filed = False
-                elif obj.lock_deadline == deadline:
+                    if obj.lock_deadline != filed_at:
+                        # (Equal: locked and released within this cell, an engine's
+                        # lookup after its release of the same prompt, filed already.)
+                        obj.lock_deadline = deadline
+                        filed = False
+                elif obj.lock_deadline == filed_at:
                     # Its latest deadline is this grid step's (a hot prefix locked by
                     # several readers within a step, maybe also holding locks of earlier
                     # steps): the locks join its last group, without a call per object.
