@@ -3,7 +3,10 @@
 Every object that takes read locks is filed under their deadline's cell for the reap
 (``l1/deadlines.py``) and stays there until the cell ends; a lookup of a new key list whose
 objects were all locked within this grid step already (a hot prefix, new prompts sharing
-it) skips that pass.  Their locks must still end at their deadline.
+it) skips that pass, and so does one locking objects locked and released within this
+step (a release takes nothing out: an engine looking a prompt up again after releasing
+it).  Their locks must still end at their deadline, and a reap given a time past the clock,
+which empties cells before they end, makes the next lookup file its objects again.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ ALIGN = 4096
 LOCK_TTL = 64.0  # a grid step of exactly one second
 STEP = LOCK_TTL / reads_module.LOCK_GRID_STEPS
 ALL = [ObjectKey("test-filed-once", 0, index.to_bytes(8, "big")) for index in range(6)]
+FOUR = ALL[:4]
 
 
 @pytest.fixture
@@ -106,3 +110,65 @@ def test_a_lock_joining_a_write_deadline_on_the_grid_is_reaped(l1: L1Manager, cl
     assert obj is not None and obj.read_locks == 1
     assert l1.expire_locks(start + LOCK_TTL) == 1
     assert not obj.read_locks and key not in l1._table.locked
+
+
+def test_a_prompt_looked_up_again_after_its_release_in_the_same_cell_is_filed_once(
+    l1: L1Manager, clock: list[float], filings: list[float]
+) -> None:
+    start = clock[0]
+    clock[0] = start - 0.5 * STEP
+    assert len(l1.reserve_read_prefix(FOUR)) == len(FOUR)
+    l1.finish_read(FOUR)
+    clock[0] = start  # the same cell
+    assert len(l1.reserve_read_prefix(FOUR)) == len(FOUR)
+    l1.finish_read(FOUR[:2])
+    assert len(l1.reserve_read_prefix(FOUR[:3])) == 3  # two released, one still locked
+    assert filings == [start + LOCK_TTL]
+
+
+def test_locks_taken_again_in_the_cell_end_at_its_deadline(l1: L1Manager, clock: list[float]) -> None:
+    start = clock[0]
+    clock[0] = start - 0.5 * STEP
+    l1.reserve_read_prefix(FOUR)
+    l1.finish_read(FOUR)
+    clock[0] = start
+    l1.reserve_read_prefix(FOUR)
+    edge = start + LOCK_TTL
+    assert l1.expire_locks(math.nextafter(edge, -math.inf)) == 0
+    assert l1.expire_locks(edge) == len(FOUR)
+    assert l1.stats().read_locks == 0
+    assert l1._table.locked_extent_bytes == 0
+    assert not l1._table.locked
+
+
+def test_locks_taken_again_in_a_later_cell_are_filed_there_and_end_at_its_deadline(
+    l1: L1Manager, clock: list[float], filings: list[float]
+) -> None:
+    start = clock[0]
+    clock[0] = start - 0.5 * STEP
+    l1.reserve_read_prefix(FOUR)
+    l1.finish_read(FOUR)
+    clock[0] = start + 0.5 * STEP  # the next cell
+    l1.reserve_read_prefix(FOUR)
+    later = start + STEP + LOCK_TTL
+    assert filings == [start + LOCK_TTL, later]
+    assert l1.expire_locks(start + LOCK_TTL) == 0  # the first cell's end: nothing of it is held
+    assert l1.expire_locks(math.nextafter(later, -math.inf)) == 0
+    assert l1.expire_locks(later) == len(FOUR)
+    assert not l1._table.locked
+
+
+def test_locks_taken_again_after_a_reap_past_the_clock_emptied_their_cell_end_at_its_deadline(
+    l1: L1Manager, clock: list[float], filings: list[float]
+) -> None:
+    """A reap given a time ahead of the clock (``expire_locks(inf)``) empties cells that
+    have not ended: an object locked again in such a cell is filed again, or its lock would
+    never be reaped."""
+    start = clock[0]
+    clock[0] = start - 0.5 * STEP
+    l1.reserve_read_prefix(FOUR)
+    assert l1.expire_locks(math.inf) == len(FOUR)
+    l1.reserve_read_prefix(FOUR)  # the same cell, emptied
+    assert filings == [start + LOCK_TTL] * 2
+    assert l1.expire_locks(start + LOCK_TTL) == len(FOUR)
+    assert not l1._table.locked
