@@ -466,20 +466,22 @@ class Client(Connection):
         listed = checked_keys(keys)
         limit = self._call_seconds(timeout)
         if 0 < len(listed) <= self.max_keys:  # one request, the usual case: no hop through _lookup
-            return self._lookup_part(listed, time.monotonic() + limit, limit)
+            # The whole limit is left (a microsecond less at most): the wait sent is the
+            # same on every call, so the request's header is kept encoded but for its id.
+            return self._lookup_part(listed, time.monotonic() + limit, limit, limit)
         return self._lookup(listed, limit)
 
     def _lookup(self, keys: list[ObjectKey], limit: float) -> int:
         """``lookup`` within ``limit`` seconds (zero: no wait for a prefetch)."""
         deadline = time.monotonic() + limit
         if 0 < len(keys) <= self.max_keys:  # one request, the usual case
-            return self._lookup_part(keys, deadline, limit)
+            return self._lookup_part(keys, deadline, limit, limit)
         hits = 0
         asked = 0
         try:
             for part in self._batches(len(keys)):
                 asked = part.stop
-                found = self._lookup_part(keys[part], deadline, limit)
+                found = self._lookup_part(keys[part], deadline, limit, max(0.0, deadline - time.monotonic()))
                 hits += found
                 if found < part.stop - part.start:
                     break
@@ -490,8 +492,8 @@ class Client(Connection):
             raise
         return hits
 
-    def _lookup_part(self, keys: list[ObjectKey], deadline: float, limit: float) -> int:
-        remaining = max(0.0, deadline - time.monotonic())
+    def _lookup_part(self, keys: list[ObjectKey], deadline: float, limit: float, remaining: float) -> int:
+        """One LOOKUP request of ``lookup`` (``remaining``: the time left before ``deadline``)."""
         if self._lookup_waits:
             # One round trip when the prefix is in L2: the server waits for the prefetch
             # before answering (and answers at its deadline at the latest).
@@ -500,8 +502,9 @@ class Client(Connection):
             reply = self._call(request, p.LookupReply, timeout=wait + max(1.0, self.timeout))
         else:
             reply = self._call(p.Lookup(0, "", keys), p.LookupReply, timeout=remaining)
-        if reply.hits is not None:
-            return self._checked_hits(reply.hits, keys)
+        hits = reply.hits
+        if hits is not None:
+            return hits if 0 <= hits <= len(keys) else self._checked_hits(hits, keys)
         self._running_prefetch(reply.handle, keys)
         hits = self.wait_prefetch(reply.handle, max(0.0, deadline - time.monotonic()))
         if hits is None:

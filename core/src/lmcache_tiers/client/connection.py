@@ -76,6 +76,7 @@ _raw_send = zmq.backend.Socket.send
 _raw_recv = zmq.backend.Socket.recv
 _raw_get = zmq.backend.Socket.get
 _decode_reply = p.reply_decoder.decode
+_encode = p.encoder.encode
 #: the default bound on a clean-up call (the RELEASE or STORE_ABORT after a call cut
 #: short, the settling of late replies on ``close``): it runs after a failure, often
 #: against a server that did not answer, and must not hold the caller up for a whole
@@ -134,7 +135,7 @@ def checked_keys(keys: Sequence[ObjectKey], where: str = "") -> list[ObjectKey]:
     a malformed request, counted among its failures -- after the parts of a long call
     before the bad key were stored or locked.  ``where`` names the key list in the message
     (``lookup_many``'s prompts)."""
-    if isinstance(keys, (str, bytes, bytearray, memoryview)):
+    if type(keys) is not list and isinstance(keys, (str, bytes, bytearray, memoryview)):
         raise TypeError(f"{where}keys must be a sequence of ObjectKeys, not a {type(keys).__name__}")
     listed = list(keys)
     # One pass in C over the exact types (a lookup's keys are checked on every call);
@@ -219,6 +220,8 @@ class Connection:
         self._last_answered_id = 0
         # the last key list encoded, and its msgpack (see _header)
         self._last_keys: tuple[list[Any], msgspec.Raw] | None = None
+        # the last LOOKUP's keys, wait, and header before and after its id (see _lookup_header)
+        self._lookup_template: tuple[list[Any], float, bytes, bytes] | None = None
         self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         # Fail fast instead of queueing requests forever for a peer that never appears.
@@ -507,6 +510,7 @@ class Connection:
         what the server refuses (a rank of ``True`` or ``1.0`` equals ``1``), and would
         otherwise go out again for the next, well-formed list equal to them."""
         self._last_keys = None
+        self._lookup_template = None
         return ServerError(error_code(reply.code), reply.message)
 
     def _early_or_settle(self, frames: list[Any], reply: p.Reply | None = None) -> None:
@@ -555,20 +559,60 @@ class Connection:
             raise ClientError("a Client cannot be used in a forked child; create a new one there")
         request.req_id = next(self._ids)
         request.token = self._token
-        keys = getattr(request, "keys", None)
-        if type(keys) is list and keys:
-            # An engine asks about the same prompt again and again (each scheduler step
-            # while it waits), then retrieves it: the key list's msgpack is kept and put in
-            # the header as it is, the very bytes encoding the keys would give.  It stands
-            # in for the list in the request itself while that is encoded (a copy of the
-            # request costs more), which keeps its keys for ``_remember_orphan``.
-            request.keys = self._encoded_keys(keys)  # type: ignore[attr-defined]
-            try:
-                header = p.encode(request)
-            finally:
-                request.keys = keys  # type: ignore[attr-defined]
-        else:
-            header = p.encode(request)
+        if type(request) is p.Lookup:
+            return self._lookup_header(request)
+        return self._encoded_header(request, getattr(request, "keys", None))
+
+    def _lookup_header(self, request: p.Lookup) -> bytes:
+        """The header of ``request``, numbered and signed.  An engine asks about the same
+        prompt again and again, with the same wait: what comes before and after the request
+        id is kept from the last LOOKUP encoded (``_lookup_template``), the very bytes
+        encoding the request would give, and only the id is encoded on each call."""
+        template = self._lookup_template
+        if template is None or template[1] != request.wait_s or template[0] != request.keys:
+            header, template = self._new_lookup_template(request)
+            if template is None:
+                return header
+            self._lookup_template = template
+        return template[2] + _encode(request.req_id) + template[3]
+
+    def _new_lookup_template(
+        self, request: p.Lookup
+    ) -> tuple[bytes, tuple[list[Any], float, bytes, bytes] | None]:
+        """The header of ``request``, and the template it gives for the next LOOKUP: its key
+        list (a copy: the caller may change its own) and wait, and the bytes before and
+        after its request id (None when the header is not one a template serves: over the
+        size limit with some request id, or not laid out as read here)."""
+        keys = request.keys
+        header = self._encoded_header(request, keys)
+        # A fixarray of the fields, then the op tag (a positive fixint), then the id; an id
+        # takes up to 9 bytes.
+        id_end = 2 + len(_encode(request.req_id))
+        if (
+            type(keys) is not list
+            or header[2:id_end] != _encode(request.req_id)
+            or len(header) - id_end + 2 + 9 > p.MAX_HEADER_BYTES
+        ):
+            return header, None
+        return header, (list(keys), request.wait_s, header[:2], header[id_end:])
+
+    def _encoded_header(self, request: p._Request, keys: Any) -> bytes:
+        """``request`` encoded, its key list (``keys``) from the last one kept encoded."""
+        if not (type(keys) is list and keys):
+            return self._checked_size(request, p.encode(request))
+        # An engine asks about the same prompt again and again (each scheduler step while
+        # it waits), then retrieves it: the key list's msgpack is kept and put in the
+        # header as it is, the very bytes encoding the keys would give.  It stands in for
+        # the list in the request itself while that is encoded (a copy of the request
+        # costs more), which keeps its keys for ``_remember_orphan``.
+        request.keys = self._encoded_keys(keys)  # type: ignore[attr-defined]
+        try:
+            return self._checked_size(request, p.encode(request))
+        finally:
+            request.keys = keys  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _checked_size(request: p._Request, header: bytes) -> bytes:
         if len(header) > p.MAX_HEADER_BYTES:
             # The server would refuse it anyway; say so now rather than after a round trip.
             raise ClientError(
