@@ -16,6 +16,7 @@ from lmcache_tiers.client.connection import (
     Connection,
     checked_handle,
     checked_keys,
+    checked_timeout,
     checked_wait,
 )
 from lmcache_tiers.client.errors import (
@@ -464,7 +465,7 @@ class Client(Connection):
         part only while the one before it was a full hit (the answer is a prefix).
         """
         listed = checked_keys(keys)
-        limit = self._call_seconds(timeout)
+        limit = self.timeout if timeout is None else checked_timeout(timeout)  # _call_seconds, inline
         if 0 < len(listed) <= self.max_keys:  # one request, the usual case: no hop through _lookup
             # The whole limit is left (a microsecond less at most): the wait sent is the
             # same on every call, so the request's header is kept encoded but for its id.
@@ -499,7 +500,7 @@ class Client(Connection):
             # before answering (and answers at its deadline at the latest).
             wait = min(remaining, p.MAX_WAIT_S)
             request = p.Lookup(0, "", keys, wait)
-            reply = self._call(request, p.LookupReply, timeout=wait + max(1.0, self.timeout))
+            reply = self._call(request, p.LookupReply, (), wait + max(1.0, self.timeout))
         else:
             reply = self._call(p.Lookup(0, "", keys), p.LookupReply, timeout=remaining)
         hits = reply.hits

@@ -84,6 +84,7 @@ _encode = p.encoder.encode
 CLEANUP_TIMEOUT_S = 2.0
 #: how long a request waits for its reply between looks at whether its connection is gone
 LINK_CHECK_S = 0.25
+_LINK_CHECK_MS = int(LINK_CHECK_S * 1000)
 #: the longest single wait for the server to become reachable (a request waits in slices)
 _MAX_POLL_S = 3600.0
 #: a connection over which nothing arrived this long after a heartbeat is taken as gone
@@ -220,7 +221,7 @@ class Connection:
         self._last_answered_id = 0
         # the last key list encoded, and its msgpack (see _header)
         self._last_keys: tuple[list[Any], msgspec.Raw] | None = None
-        # the last LOOKUP's keys, wait, and header before and after its id (see _lookup_header)
+        # the last LOOKUP's keys, wait, and header before and after its id (see _header)
         self._lookup_template: tuple[list[Any], float, bytes, bytes] | None = None
         self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -459,7 +460,7 @@ class Connection:
         deadline = now + seconds
         sock = self._socket
         # in slices: between them, _await looks whether the connection is gone
-        timeout_ms = max(1, int(min(seconds, LINK_CHECK_S) * 1000))
+        timeout_ms = _LINK_CHECK_MS if seconds >= LINK_CHECK_S else max(1, int(seconds * 1000))
         if timeout_ms != self._receive_timeout_ms:
             sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._receive_timeout_ms = timeout_ms
@@ -559,15 +560,12 @@ class Connection:
             raise ClientError("a Client cannot be used in a forked child; create a new one there")
         request.req_id = next(self._ids)
         request.token = self._token
-        if type(request) is p.Lookup:
-            return self._lookup_header(request)
-        return self._encoded_header(request, getattr(request, "keys", None))
-
-    def _lookup_header(self, request: p.Lookup) -> bytes:
-        """The header of ``request``, numbered and signed.  An engine asks about the same
-        prompt again and again, with the same wait: what comes before and after the request
-        id is kept from the last LOOKUP encoded (``_lookup_template``), the very bytes
-        encoding the request would give, and only the id is encoded on each call."""
+        if type(request) is not p.Lookup:
+            return self._encoded_header(request, getattr(request, "keys", None))
+        # An engine asks about the same prompt again and again, with the same wait: what
+        # comes before and after the request id is kept from the last LOOKUP encoded
+        # (``_lookup_template``), the very bytes encoding the request would give, and only
+        # the id is encoded on each call.
         template = self._lookup_template
         if template is None or template[1] != request.wait_s or template[0] != request.keys:
             header, template = self._new_lookup_template(request)
