@@ -5,11 +5,13 @@ answers in microseconds); both are one clear ValueError now, before anything is 
 
 from __future__ import annotations
 
+import fractions
 import math
 import os
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 
 from lmcache_tiers.client import Client, ServerError
@@ -54,3 +56,23 @@ def test_wait_prefetch_refuses_a_negative_or_nan_wait(server: TiersServer, timeo
             client.wait_prefetch(987654, timeout)
         with pytest.raises(ServerError, match="NOT_FOUND"):
             client.wait_prefetch(987654, 0.0)  # a poll: sent
+
+
+# A number of seconds of any real type: the time a LOOKUP asks the server to wait is the
+# timeout given, and msgpack encodes no numpy scalar or Fraction (nor a bool as a float).
+REAL_TIMEOUTS = [5, True, fractions.Fraction(5, 2), np.int64(5), np.float32(2.5)]
+
+
+@pytest.mark.parametrize("timeout", REAL_TIMEOUTS, ids=lambda timeout: type(timeout).__name__)
+@pytest.mark.parametrize("call", sorted(calls([])))
+def test_a_call_takes_a_timeout_of_any_real_type(server: TiersServer, call: str, timeout: Any) -> None:
+    keys = [ObjectKey("unit", 0, os.urandom(8)) for _ in range(2)]
+    with Client(server.endpoint, timeout=timeout) as client:
+        assert client.store(keys, [b"x" * 64, b"y" * 64]) == 2
+        calls(keys)[call](client, timeout)
+        client.release(keys)
+        assert client.lookup(keys) == 2
+        assert client.release(keys) == 2
+        # A handle the server never gave: a wait that is sent is answered NOT_FOUND.
+        with pytest.raises(ServerError, match="NOT_FOUND"):
+            client.wait_prefetch(987654, timeout)

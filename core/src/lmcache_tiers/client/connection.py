@@ -116,18 +116,21 @@ def checked_timeout(seconds: float, name: str = "timeout") -> float:
     """``seconds`` if it is a positive number of seconds (infinity included), the rule for
     the client's timeouts and for a call's own.  NaN would fail deep inside the call (no
     integer of milliseconds), and a timeout of zero or less would give up on a reply
-    before it could come: both are refused before anything is sent."""
+    before it could come: both are refused before anything is sent.  It is returned as a
+    float: the time a LOOKUP or WAIT_PREFETCH_STATUS asks the server to wait is the number
+    given, and msgpack encodes no numpy scalar or Fraction (a bool goes out as a bool, which
+    the server refuses)."""
     if not seconds > 0:  # NaN too
         raise ValueError(f"{name} must be a positive number of seconds, got {seconds!r}")
-    return seconds
+    return seconds if type(seconds) is float else float(seconds)
 
 
 def checked_wait(seconds: float) -> float:
     """``seconds`` if it is a wait of zero (a poll) or more; NaN and negative waits are
-    refused as :func:`checked_timeout` refuses those timeouts."""
+    refused as :func:`checked_timeout` refuses those timeouts; a float, as that returns."""
     if not seconds >= 0:  # NaN too
         raise ValueError(f"wait must not be negative, got {seconds!r}")
-    return seconds
+    return seconds if type(seconds) is float else float(seconds)
 
 
 def checked_keys(keys: Sequence[ObjectKey], where: str = "") -> list[ObjectKey]:
