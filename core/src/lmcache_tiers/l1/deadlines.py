@@ -56,6 +56,23 @@ class LockDeadlines:
             heapq.heappush(self._ends, deadline)
         return cell
 
+    def file_again(self, obj: L1Object) -> None:
+        """File the read-locked ``obj`` again under those of its deadlines whose cells a reap
+        may have emptied already (``reaped_through`` or earlier).  Only an object that a reap
+        with an earlier time looks at has such locks: one stalled behind an L2 store while a
+        later reap emptied its cells, then reaped from ``stalled`` by a reaper that read the
+        clock before it (or after a reap given a time past the clock).  Those locks are
+        filed nowhere else: left so, they were never reaped."""
+        groups = obj.lock_groups
+        if groups is None:
+            if obj.lock_deadline <= self.reaped_through:
+                self.reading(obj.lock_deadline).add(obj)
+            return
+        for deadline in groups[::2]:
+            if deadline > self.reaped_through:
+                break  # earliest first: the rest are later still
+            self.reading(deadline).add(obj)
+
     def stall(self, obj: L1Object) -> None:
         """``obj`` has readers' locks past their deadline that wait for its L2 store to report."""
         self._stalled.add(obj)

@@ -245,7 +245,10 @@ class Removal:
                     continue
                 # Each reader's lock goes at its own deadline, however many were taken
                 # since: the others' holders keep the object locked.
-                if not reap_read_locks(obj, now):
+                reaped = reap_read_locks(obj, now)
+                if obj.read_locks:  # a later reap may have emptied the cells of those left
+                    deadlines.file_again(obj)
+                if not reaped:
                     continue  # filed under a deadline it no longer has locks at
                 leases.lapse(obj, now)
                 expired_reads += 1
