@@ -147,6 +147,57 @@ def test_reader_locks_behind_an_l2_store_are_reaped_once_it_reports(clock: FakeC
         assert not l1._table.locked
 
 
+STALLED_KEY = ObjectKey("stalled-refiled", 0, b"one")
+
+
+# Readers' locks that waited for an L2 store are reaped at their deadline whatever the order
+# reaps come in.  A reap empties every read cell that ended by its time and stalls an object
+# an L2 store is reading; when a reap with an earlier time then looks at it (a reaper that
+# read the clock earlier but took the L1 lock later, or any reap after one given a time past
+# the clock), the locks it leaves were filed only under cells already emptied: unless filed
+# again, they were never reaped and kept their object out of eviction's reach for good.
+
+
+def locked_twice_behind_a_store(l1: L1Manager, clock: FakeClock) -> tuple[float, float]:
+    """``STALLED_KEY`` read-locked at two deadlines, stalled by a reap past both while an L2 store
+    read it, then the store reported; returns the two deadlines."""
+    l1.reserve_write([STALLED_KEY], [ALIGN])
+    l1.finish_write_and_reserve_read([STALLED_KEY])
+    clock.now += TTL / 2
+    l1.reserve_read([STALLED_KEY])
+    obj = l1.get(STALLED_KEY)
+    assert obj is not None and obj.lock_groups is not None
+    first, later = obj.lock_groups[0], obj.lock_groups[2]
+    stored = list(l1.reserve_store([STALLED_KEY]).values())
+    assert l1.expire_locks(later) == 0  # both cells emptied, the object stalled
+    l1.finish_store(stored)
+    return first, later
+
+
+def test_locks_left_by_an_earlier_reap_of_a_stalled_object_are_reaped_at_their_deadline(
+    clock: FakeClock,
+) -> None:
+    with L1Manager(16 * ALIGN, align=ALIGN, lock_ttl_s=TTL, write_ttl_s=TTL, prefault=False) as l1:
+        first, later = locked_twice_behind_a_store(l1, clock)
+        assert l1.expire_locks(first) == 1  # the first lock only
+        obj = l1.get(STALLED_KEY)
+        assert obj is not None and obj.read_locks == 1
+        assert l1.expire_locks(later) == 1
+        assert not obj.read_locks and not l1._table.locked
+        assert l1._table.locked_extent_bytes == 0
+
+
+def test_a_stalled_object_looked_at_before_any_of_its_deadlines_is_reaped_at_them(
+    clock: FakeClock,
+) -> None:
+    with L1Manager(16 * ALIGN, align=ALIGN, lock_ttl_s=TTL, write_ttl_s=TTL, prefault=False) as l1:
+        first, later = locked_twice_behind_a_store(l1, clock)
+        assert l1.expire_locks(first - 1) == 0  # nothing due yet
+        assert l1.expire_locks(later) == 1
+        assert not l1._table.locked
+        assert l1._table.locked_extent_bytes == 0
+
+
 class CountingGraces(dict[int, float]):
     """The grace periods of expired locks, counting the entries anything walks."""
 
