@@ -1124,14 +1124,14 @@ def test_a_load_stops_between_its_calls_once_the_adapter_closes(
     keys = make_keys(KEYS_PER_LANE + 2)
     data = store(adapter, keys, size=1024)
     backend = backend_of(adapter)
-    real, calls = backend._get_chunk, []
+    real, calls = backend._load_chunk, []
 
     def closing_after_the_first(*args: Any) -> Any:
         calls.append(args)
         backend.context._state.closing.set()  # what the adapter's close sets first
         return real(*args)
 
-    backend._get_chunk = closing_after_the_first  # type: ignore[method-assign]
+    backend._load_chunk = closing_after_the_first  # type: ignore[method-assign]
     buffers = [memoryview(bytearray(1024)) for _ in keys]
     loaded = backend.get_many_into(keys, buffers)
     assert len(calls) == 1, "calls were made after closing began"

@@ -20,21 +20,24 @@ serde chain, XXH3-128 checksum of the payload) followed by the payload.
   load that finds an object of another size (replaced by another writer) is a miss, and
   that key's next lookup asks the master for its size again.
 * Load: per key, the header into a registered lane and the payload straight into the L1
-  buffer, exactly the sizes the lookup reported -- for the whole batch (up to
-  ``KEYS_PER_LANE`` keys) in one call, then the headers and payload checksums are
-  verified; anything that does not verify is a miss, and damage is removed.  Into the
-  registered L1 arena the batch is read under get sessions (one master query for the
-  batch, then one ranged read of header and payload per key: half the CPU of a
-  whole-object read, faster on a busy machine, and without its stalls: see
-  ``_get_ranges``); into other memory, one scatter read per key.
+  buffer, exactly the sizes the lookup reported, then the headers and payload checksums
+  are verified; anything that does not verify is a miss, and damage is removed.  Into
+  the registered L1 arena the batch (up to ``KEYS_PER_LANE`` keys) is read under get
+  sessions: one master query for the batch, then ranged reads of header and payload
+  (half the CPU of a whole-object read, faster on a busy machine, and without its
+  stalls), in a few calls, each call's records verified while the next call reads (see
+  ``_load_ranges``).  Into other memory, one scatter read per key for the whole batch,
+  then its verification.
 * CPU work on payloads (checksums of a store's headers, a load's verification) of
   batches large enough is split between threads, one per core (xxhash releases the
   GIL); stores and loads have helper threads of their own, each at its callers'
-  priority (see :mod:`.helpers`).  It runs between Mooncake calls, not during them: a
-  Mooncake transfer keeps its calling thread busy polling for completion, so on a small
-  machine checksums taken during one only compete with it for the cores (measured with
-  ``bench/bench_mooncake.py``: verifying a chunk while the next was read was 8 % slower
-  than reading the whole batch, then verifying on both cores).
+  priority (see :mod:`.helpers`).  A load's verification overlaps its ranged reads,
+  which leave a core idle much of their time (256 x 1 MiB on 2 cores: ~75 ms of CPU in
+  this process and ~45 ms in the segment host over ~85 ms); a scatter read's does not:
+  that transfer keeps its calling thread busy polling for completion, so checksums taken
+  during it only compete with it for the cores (measured with
+  ``bench/bench_mooncake.py``: 8 % slower than reading the whole batch, then verifying
+  on both cores).
 * Delete: the records' headers are read first (one ranged read per lane of keys), and
   only this server's records are removed: another key's intact record and a newer
   format's (another writer replaced the object under the name) are kept, as lookups
@@ -64,7 +67,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -126,6 +129,9 @@ _PROBES_MAX = 2
 #: payload bytes below which checksums are taken on the calling thread alone (handing
 #: work to a helper thread costs more than it saves for a few objects)
 PARALLEL_MIN_BYTES = 4 << 20
+#: payload bytes of the smallest part a ranged load reads in one call (see
+#: ``_load_parts``): a call costs more than verifying fewer bytes behind the next one saves
+LOAD_PART_MIN_BYTES = 16 << 20
 
 
 class _Throttle:
@@ -235,6 +241,39 @@ def _record_parts(payload_bytes: int) -> list[int]:
     return [HEADER_BYTES, payload_bytes] if payload_bytes else [HEADER_BYTES]
 
 
+@dataclass
+class _ChunkCheck:
+    """The verification of a chunk a load read, by slot (``codes``: Mooncake's per slot)."""
+
+    backend: MooncakeStoreBackend
+    store: Any
+    lane: Lane
+    keys: list[ObjectKey]
+    names: list[str]
+    buffers: list[memoryview]
+    codes: list[int]
+    ok: list[bool]
+    offset: int
+    sized: bool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.nbytes for buffer in self.buffers)
+
+    def slots_of(self, part: Sequence[int]) -> Callable[[Sequence[int]], None]:
+        """Work verifying the slots ``part[i]`` for the indexes ``i`` it is given."""
+
+        def check(indexes: Sequence[int]) -> None:
+            for index in indexes:
+                slot = part[index]
+                self.ok[self.offset + slot] = self.backend._check_read(
+                    self.store, self.keys[slot], self.names[slot], self.lane.slot(slot),
+                    self.buffers[slot], self.codes[slot], self.sized,
+                )  # fmt: skip
+
+        return check
+
+
 #: the name the circuit breaker's probe asks about (no key is named like it)
 PROBE_NAME = "lmcache-tiers-probe"
 
@@ -255,7 +294,7 @@ class MooncakeStoreBackend:
         # Loads and lookups of every worker at once, and spares for calls given up.
         self.lanes = HeaderLanes(2 * config.num_workers + 4)
         l1 = context.l1_buffer
-        #: where the L1 arena lies (loads into it are ranged reads, see ``_get_ranges``)
+        #: where the L1 arena lies (loads into it are ranged reads, see ``_load_ranges``)
         self._l1_span = (address_of(l1), address_of(l1) + l1.nbytes) if l1 is not None and l1.nbytes else None
         self.connection = Connection(
             config,
@@ -279,7 +318,7 @@ class MooncakeStoreBackend:
         )
         self._load_helpers = HelperThreads(f"mooncake-{context.name}-verify", helpers)
         self._throttle = _Throttle()
-        #: loads reading under each name's get session (see ``_get_ranges``)
+        #: loads reading under each name's get session (see ``_load_ranges``)
         self._sessions = GetSessions()
         #: names whose next lookup must ask the master for their size (see _known_size)
         self._resized: set[str] = set()
@@ -909,8 +948,7 @@ class MooncakeStoreBackend:
         self, store: Any, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]
     ) -> list[bool]:
         ok = [False] * len(keys)
-        # A chunk is read, then verified (see the module docstring for why not both at
-        # once); its header lane is given back once its headers are verified.
+        # A chunk's header lane is given back once all of its headers are verified.
         for chunk in chunks(len(keys)):
             if self.context.closing and chunk.start:
                 self._skipped_closing(len(keys) - chunk.start)
@@ -918,11 +956,7 @@ class MooncakeStoreBackend:
             chunk_keys, chunk_buffers = [keys[i] for i in chunk], [buffers[i] for i in chunk]
             ranged = self._in_registered_l1(chunk_buffers)
             with self.lanes.lane(self.timeout) as lane:
-                names, codes = self._get_chunk(store, lane, chunk_keys, chunk_buffers, ranged)
-                # A ranged read does not fail on a larger object: it proves no size.
-                self._check_chunk(
-                    store, lane, chunk_keys, names, chunk_buffers, codes, ok, chunk.start, sized=not ranged
-                )
+                self._load_chunk(store, lane, chunk_keys, chunk_buffers, ranged, ok, chunk.start)
         return ok
 
     def _skipped_closing(self, left: int) -> None:
@@ -934,20 +968,30 @@ class MooncakeStoreBackend:
             self.context.name, left,
         )  # fmt: skip
 
-    def _get_chunk(
-        self, store: Any, lane: Lane, keys: list[ObjectKey], buffers: list[memoryview], ranged: bool
-    ) -> tuple[list[str], list[int]]:
-        """One read of the chunk's records: headers into the lane, payloads into their
-        buffers (``ranged``: buffers in the registered L1 arena, see ``_get_ranges``; else
-        one scatter read per key); the names and Mooncake's code per key."""
+    def _load_chunk(
+        self,
+        store: Any,
+        lane: Lane,
+        keys: list[ObjectKey],
+        buffers: list[memoryview],
+        ranged: bool,
+        ok: list[bool],
+        offset: int,
+    ) -> None:
+        """Read a chunk's records -- headers into the lane, payloads into their buffers --
+        and verify them: ``ok[offset + slot]`` for each that does.  ``ranged``: the
+        buffers lie in the registered L1 arena (see ``_load_ranges``); else one scatter
+        read per key, then the verification."""
         names = [self.names.of(key) for key in keys]
         if ranged:
-            return names, self._get_ranges(store, lane, names, buffers)
+            self._load_ranges(store, lane, keys, names, buffers, ok, offset)
+            return
         pointers = [self._record_pointers(lane, slot, buffer) for slot, buffer in enumerate(buffers)]
         sizes = [_record_parts(buffer.nbytes) for buffer in buffers]
         codes = store.batch_get_into_multi_buffers(names, pointers, sizes)
         _check("get", codes)
-        return names, codes
+        verify = _ChunkCheck(self, store, lane, keys, names, buffers, codes, ok, offset, sized=True)
+        self._in_parallel(self._load_helpers, verify.slots_of(range(len(keys))), len(keys), verify.nbytes)
 
     def _in_registered_l1(self, buffers: list[memoryview]) -> bool:
         """Whether every buffer lies in the L1 arena and the client has it registered
@@ -960,85 +1004,134 @@ class MooncakeStoreBackend:
                 return False
         return True
 
-    def _get_ranges(self, store: Any, lane: Lane, names: list[str], buffers: list[memoryview]) -> list[int]:
-        """The chunk's records read under get sessions (see :mod:`.sessions`): the
-        master asked for the replicas of the whole chunk once, then per key one ranged
-        transfer of the header into its lane slot and the payload into its buffer, in one
-        call -- with ``_get_chunk``'s code per key.  Measured on TCP, 256 x 1 MiB, this
-        call against the same two ranges read by ``get_into_ranges`` (which asks the
-        master inside the call), alternating in one process: 0.88-0.96x the time, and
-        one record at a time a p50 0.03 ms lower and a lower p99.  Both take about half
-        the CPU of ``batch_get_into_multi_buffers`` (which polls for completion on the
-        calling thread) and lack its ~3 ms transfer stalls, which made them 0.6-0.7x its
-        time on a busy machine.
+    def _load_parts(self, buffers: list[memoryview]) -> list[range]:
+        """The consecutive parts a ranged chunk is read in, each verified while the next
+        is read (see ``_load_ranges``): each part half of the bytes left, down to
+        ``LOAD_PART_MIN_BYTES``, so the last part -- whose verification nothing hides --
+        is small, in few calls (256 x 1 MiB: 128, 64, 32, 16 and 16 MiB)."""
+        left = sum(buffer.nbytes for buffer in buffers)
+        parts: list[range] = []
+        start = 0
+        # One core: no helper thread to verify on while the next part is read.
+        while self._parts > 1 and left >= 2 * LOAD_PART_MIN_BYTES:
+            end, taken = start, 0
+            while end < len(buffers) and taken < left // 2:
+                taken += buffers[end].nbytes
+                end += 1
+            if end == len(buffers):  # one key holds half the bytes left: the last part
+                break
+            parts.append(range(start, end))
+            start, left = end, left - taken
+        parts.append(range(start, len(buffers)))
+        return parts
 
-        A ranged read does not fail on an object larger than the ranges (another
-        writer's record of another size): its header then disagrees with the payload
-        size, and the object is read again before it is judged (``_remove_damaged``)."""
-        with self._sessions.started(store, names) as started:
-            _check("get", started)
-            reading = [slot for slot in range(len(names)) if started[slot] == 0]
-            answer = (
-                store.batch_get_into_multi_buffer_ranges(
-                    [names[slot] for slot in reading],
-                    [self._record_pointers(lane, slot, buffers[slot]) for slot in reading],
-                    [_record_parts(buffers[slot].nbytes) for slot in reading],
-                    [_RECORD_OFFSETS if buffers[slot].nbytes else _HEADER_OFFSET for slot in reading],
-                )
-                if reading
-                else []
-            )
-        # a session that did not start: the object is gone (NOT_FOUND) or the code says why
-        read = list(started)
-        for slot, code in zip(reading, answer, strict=True):
-            whole = HEADER_BYTES + buffers[slot].nbytes
-            read[slot] = code if code < 0 or code == whole else _TRANSFER_FAILED
-        _check("get", read)
-        return read
-
-    @staticmethod
-    def _record_pointers(lane: Lane, slot: int, buffer: memoryview) -> list[int]:
-        """Where record ``slot``'s parts are read to: its lane slot, then its buffer."""
-        return [lane.address(slot), address_of(buffer)] if buffer.nbytes else [lane.address(slot)]
-
-    def _check_chunk(
+    def _load_ranges(
         self,
         store: Any,
         lane: Lane,
         keys: list[ObjectKey],
         names: list[str],
         buffers: list[memoryview],
-        codes: list[int],
         ok: list[bool],
         offset: int,
-        *,
-        sized: bool,
     ) -> None:
-        """Verify every record a chunk read; ``ok[offset + slot]`` for the ones that do.
-        ``sized``: the read failed on an object not of the size read (a scatter read)."""
+        """The chunk's records read under get sessions (see :mod:`.sessions`) and verified.
+        The master is asked for the replicas of the whole chunk once, then per key one
+        ranged transfer reads the header into its lane slot and the payload into its
+        buffer, many keys per call.  Measured on TCP, 256 x 1 MiB, such a call against
+        the same two ranges read by ``get_into_ranges`` (which asks the master inside the
+        call), alternating in one process: 0.88-0.96x the time, and one record at a time
+        a p50 0.03 ms lower and a lower p99.  Both take about half the CPU of
+        ``batch_get_into_multi_buffers`` (which polls for completion on the calling
+        thread) and lack its ~3 ms transfer stalls, which made them 0.6-0.7x its time on
+        a busy machine.
 
-        def check(slots: Sequence[int]) -> None:
-            for slot in slots:
-                name, buffer, code = names[slot], buffers[slot], codes[slot]
-                if code == HEADER_BYTES + buffer.nbytes:
-                    ok[offset + slot] = self._verified(
-                        store, keys[slot], name, lane.slot(slot), buffer, sized
-                    )
-                elif code == NOT_FOUND:
-                    self.context.count("load_vanished")
-                else:
-                    # -600, -800: the object is not the size the lookup reported (replaced
-                    # since by another writer), or -800: its segment host died or hangs
-                    # (the transfer failed), or -600: its get session was dropped by
-                    # another load's failed start (see .sessions): a miss, and the next
-                    # lookup sizes it again
-                    self._size_changed(name)
-                    self.context.count("load_failures")
-                    self._throttle.warn(
-                        "get", "%s: get of %s returned %s", self.context.name, name, describe(code)
-                    )
+        The chunk is read in parts (``_load_parts``), each verified on a helper thread
+        while the next is read -- the sessions started once before the first and ended
+        once after the last -- and the last verified on this thread and the helpers.
+        Nothing returns before every part's verification ended: ``ok`` is set by it
+        alone, and the header lane it reads is given back after.
 
-        self._in_parallel(self._load_helpers, check, len(keys), sum(buffer.nbytes for buffer in buffers))
+        A ranged read does not fail on an object larger than the ranges (another
+        writer's record of another size): its header then disagrees with the payload
+        size, and the object is read again before it is judged (``_remove_damaged``)."""
+        codes = [0] * len(names)
+        # A ranged read proves no size: it does not fail on a larger object.
+        verify = _ChunkCheck(self, store, lane, keys, names, buffers, codes, ok, offset, sized=False)
+        parts = self._load_parts(buffers)
+        verifying: list[Future[None]] = []
+        try:
+            with self._sessions.started(store, names) as started:
+                _check("get", started)
+                # a session that did not start: the object is gone (NOT_FOUND) or the code says why
+                codes[:] = started
+                for number, part in enumerate(parts):
+                    self._read_ranges(store, lane, names, buffers, codes, part)
+                    if number + 1 < len(parts):
+                        verifying.append(self._load_helpers.submit(verify.slots_of(part), range(len(part))))
+            last = parts[-1]
+            nbytes = sum(buffers[slot].nbytes for slot in last)
+            self._in_parallel(self._load_helpers, verify.slots_of(last), len(last), nbytes)
+        finally:
+            wait(verifying)
+        for future in verifying:
+            future.result()
+
+    def _read_ranges(
+        self,
+        store: Any,
+        lane: Lane,
+        names: list[str],
+        buffers: list[memoryview],
+        codes: list[int],
+        part: range,
+    ) -> None:
+        """One call reading the records of ``part`` whose sessions started (``codes`` 0),
+        and their codes (``_load_chunk``'s) in ``codes``."""
+        reading = [slot for slot in part if codes[slot] == 0]
+        if not reading:
+            return
+        answer = store.batch_get_into_multi_buffer_ranges(
+            [names[slot] for slot in reading],
+            [self._record_pointers(lane, slot, buffers[slot]) for slot in reading],
+            [_record_parts(buffers[slot].nbytes) for slot in reading],
+            [_RECORD_OFFSETS if buffers[slot].nbytes else _HEADER_OFFSET for slot in reading],
+        )
+        for slot, code in zip(reading, answer, strict=True):
+            whole = HEADER_BYTES + buffers[slot].nbytes
+            codes[slot] = code if code < 0 or code == whole else _TRANSFER_FAILED
+        _check("get", [codes[slot] for slot in reading])
+
+    @staticmethod
+    def _record_pointers(lane: Lane, slot: int, buffer: memoryview) -> list[int]:
+        """Where record ``slot``'s parts are read to: its lane slot, then its buffer."""
+        return [lane.address(slot), address_of(buffer)] if buffer.nbytes else [lane.address(slot)]
+
+    def _check_read(
+        self,
+        store: Any,
+        key: ObjectKey,
+        name: str,
+        slot: memoryview,
+        buffer: memoryview,
+        code: int,
+        sized: bool,
+    ) -> bool:
+        """Whether a record read with Mooncake's ``code`` into ``slot`` and ``buffer``
+        verifies; ``sized``: the read failed on an object not of the size read."""
+        if code == HEADER_BYTES + buffer.nbytes:
+            return self._verified(store, key, name, slot, buffer, sized)
+        if code == NOT_FOUND:
+            self.context.count("load_vanished")
+            return False
+        # -600, -800: the object is not the size the lookup reported (replaced since by
+        # another writer), or -800: its segment host died or hangs (the transfer
+        # failed), or -600: its get session was dropped by another load's failed start
+        # (see .sessions): a miss, and the next lookup sizes it again
+        self._size_changed(name)
+        self.context.count("load_failures")
+        self._throttle.warn("get", "%s: get of %s returned %s", self.context.name, name, describe(code))
+        return False
 
     def _verified(
         self, store: Any, key: ObjectKey, name: str, slot: memoryview, payload: memoryview, sized: bool
@@ -1127,7 +1220,7 @@ class MooncakeStoreBackend:
         if changed is _UNTOLD:
             changed = None
         if changed is not None and changed is not _GONE:
-            # Of another size, perhaps: a ranged read (see ``_get_ranges``) does not fail
+            # Of another size, perhaps: a ranged read (see ``_load_ranges``) does not fail
             # on a larger object, so core's size must not answer the next lookup.
             self._size_changed(name)
             self.context.count("corrupt_reads_replaced")

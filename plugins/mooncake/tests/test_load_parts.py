@@ -1,0 +1,186 @@
+"""A large load into L1 is read in parts, each verified on a helper thread while the next
+is read, all under the get sessions started once for the chunk.  Against a real master."""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from lmcache_plugin_mooncake import backend as backend_module
+from lmcache_plugin_mooncake.cluster import LocalCluster, NotedCalls
+from lmcache_plugin_mooncake.headers import HEADER_BYTES
+from mooncake_helpers import backend_of, config_for, open_adapter
+
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2 import BackendAdapter
+from lmcache_tiers.l2.record import encode_header
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+from lmcache_tiers.testing.l2 import make_keys, pattern
+
+SIZE = 64 << 10
+KEYS = 16
+#: parts of half the bytes left down to 2 records: 8, 4, 2 and 2 records
+PART_MIN_BYTES = 2 * SIZE
+PARTS = [8, 4, 2, 2]
+
+
+@pytest.fixture
+def arena() -> memoryview:
+    # the stored payloads, then the load's targets
+    return memoryview(mmap.mmap(-1, 2 * KEYS * SIZE))
+
+
+@pytest.fixture
+def adapter(
+    mooncake_pool: LocalCluster, arena: memoryview, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[BackendAdapter]:
+    monkeypatch.setattr(backend_module, "LOAD_PART_MIN_BYTES", PART_MIN_BYTES, raising=False)
+    # two cores whatever the machine: a helper thread verifies while the next part is read
+    monkeypatch.setattr(backend_module.os, "cpu_count", lambda: 2)
+    opened = open_adapter(config_for(mooncake_pool), l1_buffer=arena)
+    monkeypatch.undo()
+    monkeypatch.setattr(backend_module, "LOAD_PART_MIN_BYTES", PART_MIN_BYTES, raising=False)
+    yield opened
+    opened.close()
+
+
+def _stored(adapter: BackendAdapter, arena: memoryview) -> tuple[list[ObjectKey], list[bytes]]:
+    keys = make_keys(KEYS)
+    data = [pattern(i, SIZE) for i in range(KEYS)]
+    sources = _buffers(arena, 0)
+    for source, payload in zip(sources, data, strict=True):
+        source[:] = payload
+    assert BlockingAdapterClient(adapter).store(keys, sources) == [True] * KEYS
+    assert backend_of(adapter).connection.l1_registered, "loads into L1 are ranged reads"
+    return keys, data
+
+
+def _buffers(arena: memoryview, part: int) -> list[memoryview]:
+    base = part * KEYS * SIZE
+    return [arena[base + i * SIZE : base + (i + 1) * SIZE] for i in range(KEYS)]
+
+
+def _load(adapter: BackendAdapter, keys: list[ObjectKey], targets: list[memoryview]) -> list[bool]:
+    client = BlockingAdapterClient(adapter)
+    assert client.lookup_and_lock(keys).found == [True] * len(keys)
+    ok = client.load(keys, targets)
+    adapter.unlock(keys)
+    return ok
+
+
+def test_a_large_chunk_is_read_in_parts_under_one_session_start_and_end(
+    adapter: BackendAdapter, arena: memoryview, raw: Any
+) -> None:
+    """Parts of half the bytes left, each its own ranged read, after one session start
+    and before one end; a damaged record in the first part and one in the last are
+    misses and removed, every other key loads its own bytes."""
+    keys, data = _stored(adapter, arena)
+    backend = backend_of(adapter)
+    damaged = [1, KEYS - 1]
+    for index in damaged:
+        record = bytearray(encode_header(keys[index], data[index], align=HEADER_BYTES) + data[index])
+        record[HEADER_BYTES + SIZE // 2] ^= 0x10
+        name = backend.names.of(keys[index])
+        assert raw.remove(name, True) == 0 and raw.put(name, bytes(record)) == 0
+    called: list[str] = []
+    real = backend.connection.store()
+    backend.connection.store = lambda: NotedCalls(real, called)  # type: ignore[method-assign]
+    targets = _buffers(arena, 1)
+    try:
+        ok = _load(adapter, keys, targets)
+    finally:
+        del backend.connection.store
+    assert ok == [index not in damaged for index in range(KEYS)]
+    assert [bytes(targets[i]) for i in range(KEYS) if ok[i]] == [data[i] for i in range(KEYS) if ok[i]]
+    # (the damaged record of the first part is read again and removed meanwhile)
+    reads = ["batch_get_into_multi_buffer_ranges"] * len(PARTS)
+    sessions = [call for call in called if call.startswith("batch_get_")]
+    assert sessions == ["batch_get_session_start", *reads, "batch_get_session_end"]
+    assert adapter.stats()["corrupt_records_removed"] == len(damaged)
+    assert [raw.is_exist(backend.names.of(keys[i])) for i in damaged] == [0] * len(damaged)
+    assert backend._sessions.open == 0
+
+
+def test_a_part_is_verified_while_the_next_is_read(adapter: BackendAdapter, arena: memoryview) -> None:
+    """The second part's read waits until a record of the first part is verified: the
+    load completes only if that verification runs during the read, not after it."""
+    keys, data = _stored(adapter, arena)
+    backend = backend_of(adapter)
+    real_store, real_check = backend.connection.store(), backend._verified
+    first_verified = threading.Event()
+    reads: list[int] = []
+
+    def verified(store: Any, key: ObjectKey, *args: Any) -> bool:
+        if key in keys[: PARTS[0]]:
+            first_verified.set()
+        return real_check(store, key, *args)
+
+    class SecondReadWaits:
+        def __getattr__(self, attribute: str) -> Any:
+            return getattr(real_store, attribute)
+
+        def batch_get_into_multi_buffer_ranges(self, names: list[str], *args: Any) -> list[int]:
+            reads.append(len(names))
+            if len(reads) == 2:
+                assert first_verified.wait(60), "the first part was not verified during the second read"
+            return list(real_store.batch_get_into_multi_buffer_ranges(names, *args))
+
+    waiting = SecondReadWaits()
+    backend.connection.store = lambda: waiting  # type: ignore[method-assign]
+    backend._verified = verified  # type: ignore[method-assign]
+    targets = _buffers(arena, 1)
+    try:
+        assert backend.get_many_into(keys, targets) == [True] * KEYS
+    finally:
+        del backend.connection.store, backend._verified
+    assert reads == PARTS
+    assert [bytes(target) for target in targets] == data
+
+
+def test_a_failed_read_of_a_later_part_fails_the_load_once_the_first_is_verified(
+    adapter: BackendAdapter, arena: memoryview
+) -> None:
+    """The second part's read raises: the load raises, but only once the first part's
+    verification ended (it reads the header lane, which is given back after it), and no
+    session is left open."""
+    keys, _ = _stored(adapter, arena)
+    backend = backend_of(adapter)
+    real_store, real_check = backend.connection.store(), backend._verified
+    lanes = backend.lanes.free
+    verifications: list[tuple[int, bool]] = []
+    raised, failing_read = threading.Event(), threading.Event()
+    reads: list[int] = []
+
+    def verified(*args: Any) -> bool:
+        # held until the failing read: the first part is still verified when it raises
+        assert failing_read.wait(60)
+        verified = real_check(*args)
+        verifications.append((backend.lanes.free, raised.is_set()))
+        return verified
+
+    class SecondReadFails:
+        def __getattr__(self, attribute: str) -> Any:
+            return getattr(real_store, attribute)
+
+        def batch_get_into_multi_buffer_ranges(self, *args: Any) -> list[int]:
+            reads.append(1)
+            if len(reads) == 2:
+                failing_read.set()
+                raise RuntimeError("transfer engine gone")
+            return list(real_store.batch_get_into_multi_buffer_ranges(*args))
+
+    failing = SecondReadFails()
+    backend.connection.store = lambda: failing  # type: ignore[method-assign]
+    backend._verified = verified  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError, match="transfer engine gone"):
+            backend.get_many_into(keys, _buffers(arena, 1))
+        raised.set()
+    finally:
+        del backend.connection.store, backend._verified
+    assert verifications == [(lanes - 1, False)] * PARTS[0], "verified with the lane held, before the raise"
+    assert backend.lanes.free == lanes
+    assert backend._sessions.open == 0
