@@ -184,3 +184,37 @@ def test_a_failed_read_of_a_later_part_fails_the_load_once_the_first_is_verified
     assert verifications == [(lanes - 1, False)] * PARTS[0], "verified with the lane held, before the raise"
     assert backend.lanes.free == lanes
     assert backend._sessions.open == 0
+
+
+def test_a_load_stops_between_its_parts_once_the_adapter_closes(
+    adapter: BackendAdapter, arena: memoryview
+) -> None:
+    """Closing begins during the first part's read: the parts read are verified and
+    loaded, the rest are not read (a close must not wait for one Mooncake call after
+    another), each of their keys a miss counted once."""
+    keys, data = _stored(adapter, arena)
+    backend = backend_of(adapter)
+    real_store = backend.connection.store()
+    reads: list[int] = []
+
+    class ClosingDuringTheFirstRead:
+        def __getattr__(self, attribute: str) -> Any:
+            return getattr(real_store, attribute)
+
+        def batch_get_into_multi_buffer_ranges(self, names: list[str], *args: Any) -> list[int]:
+            reads.append(len(names))
+            backend.context._state.closing.set()  # what the adapter's close sets first
+            return list(real_store.batch_get_into_multi_buffer_ranges(names, *args))
+
+    closing = ClosingDuringTheFirstRead()
+    backend.connection.store = lambda: closing  # type: ignore[method-assign]
+    targets = _buffers(arena, 1)
+    try:
+        ok = backend.get_many_into(keys, targets)
+    finally:
+        del backend.connection.store
+    assert reads == PARTS[:1], "calls were made after closing began"
+    assert ok == [index < PARTS[0] for index in range(KEYS)]
+    assert [bytes(target) for target in targets[: PARTS[0]]] == data[: PARTS[0]]
+    assert adapter.stats()["load_skipped_closing"] == KEYS - PARTS[0]
+    assert backend._sessions.open == 0

@@ -1050,7 +1050,8 @@ class MooncakeStoreBackend:
         while the next is read -- the sessions started once before the first and ended
         once after the last -- and the last verified on this thread and the helpers.
         Nothing returns before every part's verification ended: ``ok`` is set by it
-        alone, and the header lane it reads is given back after.
+        alone, and the header lane it reads is given back after.  Once the adapter
+        closes, the parts not read yet are not (misses, ``load_skipped_closing``).
 
         A ranged read does not fail on an object larger than the ranges (another
         writer's record of another size): its header then disagrees with the payload
@@ -1065,11 +1066,19 @@ class MooncakeStoreBackend:
                 _check("get", started)
                 # a session that did not start: the object is gone (NOT_FOUND) or the code says why
                 codes[:] = started
-                for number, part in enumerate(parts):
+                read: list[range] = []
+                for part in parts:
+                    if read and self.context.closing:
+                        # as between chunks: a close must not wait for one call after another
+                        self._skipped_closing(len(names) - part.start)
+                        break
+                    if read:
+                        verifying.append(
+                            self._load_helpers.submit(verify.slots_of(read[-1]), range(len(read[-1])))
+                        )
                     self._read_ranges(store, lane, names, buffers, codes, part)
-                    if number + 1 < len(parts):
-                        verifying.append(self._load_helpers.submit(verify.slots_of(part), range(len(part))))
-            last = parts[-1]
+                    read.append(part)
+            last = read[-1]
             nbytes = sum(buffers[slot].nbytes for slot in last)
             self._in_parallel(self._load_helpers, verify.slots_of(last), len(last), nbytes)
         finally:
