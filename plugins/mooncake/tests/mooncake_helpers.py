@@ -12,9 +12,12 @@ from lmcache_plugin_mooncake import MooncakeStoreConfig
 from lmcache_plugin_mooncake.backend import MooncakeStoreBackend
 from lmcache_plugin_mooncake.cluster import LocalCluster
 
+from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
 from lmcache_tiers.protocols import Serde
 from lmcache_tiers.serde import SerdeContext
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+from lmcache_tiers.testing.l2 import make_keys, pattern
 
 
 def config_for(cluster: LocalCluster, **fields: Any) -> MooncakeStoreConfig:
@@ -75,3 +78,24 @@ class Xor:
 
     def decode(self, data: memoryview, context: SerdeContext) -> bytes:
         return (np.frombuffer(data, dtype=np.uint8) ^ 0x5A).tobytes()
+
+
+def arena_buffers(arena: memoryview, part: int, count: int, size: int) -> list[memoryview]:
+    """Part ``part`` of an L1 arena as ``count`` buffers of ``size`` bytes, one per key
+    (part 0: the payloads ``stored_from_arena`` stores)."""
+    base = part * count * size
+    return [arena[base + i * size : base + (i + 1) * size] for i in range(count)]
+
+
+def stored_from_arena(
+    adapter: BackendAdapter, arena: memoryview, count: int, size: int
+) -> tuple[list[ObjectKey], list[bytes]]:
+    """``count`` records of ``size`` bytes stored from part 0 of the adapter's L1 arena
+    (registered, so its loads into the arena are ranged reads): their keys and payloads."""
+    keys = make_keys(count)
+    data = [pattern(i, size) for i in range(count)]
+    for source, payload in zip(arena_buffers(arena, 0, count, size), data, strict=True):
+        source[:] = payload
+    assert BlockingAdapterClient(adapter).store(keys, arena_buffers(arena, 0, count, size)) == [True] * count
+    assert backend_of(adapter).connection.l1_registered, "loads into L1 are ranged reads"
+    return keys, data

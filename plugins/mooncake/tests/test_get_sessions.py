@@ -14,12 +14,10 @@ import pytest
 from lmcache_plugin_mooncake.backend import MooncakeStoreBackend
 from lmcache_plugin_mooncake.cluster import LocalCluster
 from lmcache_plugin_mooncake.headers import HEADER_BYTES, address_of
-from mooncake_helpers import backend_of, config_for, open_adapter
+from mooncake_helpers import arena_buffers, backend_of, config_for, open_adapter, stored_from_arena
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter
-from lmcache_tiers.testing.blocking import BlockingAdapterClient
-from lmcache_tiers.testing.l2 import make_keys, pattern
 
 SIZE = 256 << 10
 KEYS = 4
@@ -46,12 +44,12 @@ def test_loads_of_the_same_keys_at_once_all_hit_and_end_every_session(
     """Threads loading the same keys over and over (batches in rotated orders, so their
     sessions start and end interleaved) all read every record whole and verified; once
     they are done no session is left open in the client."""
-    keys, data = _stored(adapter, arena)
+    keys, data = stored_from_arena(adapter, arena, KEYS, SIZE)
     backend = backend_of(adapter)
     failures: list[str] = []
 
     def load_repeatedly(thread: int) -> None:
-        targets = _targets(arena, 1 + thread)
+        targets = arena_buffers(arena, 1 + thread, KEYS, SIZE)
         for round_ in range(ROUNDS):
             order = [(round_ + thread + i) % KEYS for i in range(KEYS)][: 1 + (round_ + thread) % KEYS]
             ok = backend.get_many_into([keys[i] for i in order], [targets[i] for i in order])
@@ -79,7 +77,7 @@ def test_a_load_ending_while_another_of_its_key_reads_leaves_that_ones_session(
     load of that key sits between its session start and its read: the later read still
     finds the session (the client keeps one per name, and the first end would drop it),
     a hit of the stored bytes; the last of the two ends it."""
-    keys, data = _stored(adapter, arena)
+    keys, data = stored_from_arena(adapter, arena, KEYS, SIZE)
     backend = backend_of(adapter)
     real = backend.connection.store()
     started, finished = threading.Event(), threading.Event()
@@ -99,7 +97,7 @@ def test_a_load_ending_while_another_of_its_key_reads_leaves_that_ones_session(
 
     held_client = HoldFirstRead()
     backend.connection.store = lambda: held_client  # type: ignore[method-assign]
-    first, second = _targets(arena, 1), _targets(arena, 2)
+    first, second = arena_buffers(arena, 1, KEYS, SIZE), arena_buffers(arena, 2, KEYS, SIZE)
     answers: list[list[bool]] = []
     thread = threading.Thread(target=lambda: answers.append(backend.get_many_into(keys, first)))
     held.append(thread)
@@ -122,7 +120,7 @@ def test_a_load_ending_while_another_of_its_key_reads_leaves_that_ones_session(
 def test_a_load_failing_mid_batch_ends_its_sessions(adapter: BackendAdapter, arena: memoryview) -> None:
     """A read that raises inside the batch (the load fails, a backend error) leaves no
     session counted in the adapter nor open in the client."""
-    keys, _ = _stored(adapter, arena)
+    keys, _ = stored_from_arena(adapter, arena, KEYS, SIZE)
     backend = backend_of(adapter)
     real = backend.connection.store()
 
@@ -137,7 +135,7 @@ def test_a_load_failing_mid_batch_ends_its_sessions(adapter: BackendAdapter, are
     backend.connection.store = lambda: failing_client  # type: ignore[method-assign]
     try:
         with pytest.raises(RuntimeError, match="transfer engine gone"):
-            backend.get_many_into(keys, _targets(arena, 1))
+            backend.get_many_into(keys, arena_buffers(arena, 1, KEYS, SIZE))
     finally:
         del backend.connection.store
     assert backend._sessions.open == 0
@@ -150,11 +148,11 @@ def test_keys_of_a_batch_missing_from_the_pool_are_misses_and_the_rest_hits(
     """Sessions start for some keys of a batch only (the others removed since the
     lookup): each key's answer is its own -- the missing ones misses counted as vanished,
     the others hits of their own bytes -- and every session is ended."""
-    keys, data = _stored(adapter, arena)
+    keys, data = stored_from_arena(adapter, arena, KEYS, SIZE)
     backend = backend_of(adapter)
     for gone in (0, 2):
         assert raw.remove(backend.names.of(keys[gone]), True) == 0
-    targets = _targets(arena, 1)
+    targets = arena_buffers(arena, 1, KEYS, SIZE)
     assert backend.get_many_into(keys, targets) == [False, True, False, True]
     assert [bytes(targets[i]) for i in (1, 3)] == [data[1], data[3]]
     assert adapter.stats().get("load_vanished", 0) == 2
@@ -170,7 +168,7 @@ def test_an_object_replaced_between_session_start_and_read_is_never_handed_out(
     object of other bytes of the same size (the pool may place it where the record was,
     which the session still reads): the load is a hit of the stored bytes (the old memory
     still held them) or a counted miss, never the other bytes."""
-    keys, data = _stored(adapter, arena)
+    keys, data = stored_from_arena(adapter, arena, KEYS, SIZE)
     backend = backend_of(adapter)
     real = backend.connection.store()
     name, other = backend.names.of(keys[0]), backend.names.of(keys[0]) + "-other"
@@ -186,7 +184,7 @@ def test_an_object_replaced_between_session_start_and_read_is_never_handed_out(
 
     replacing_client = ReplaceBeforeRead()
     backend.connection.store = lambda: replacing_client  # type: ignore[method-assign]
-    target = _targets(arena, 1)[0]
+    target = arena_buffers(arena, 1, KEYS, SIZE)[0]
     try:
         (ok,) = backend.get_many_into(keys[:1], [target])
     finally:
@@ -201,28 +199,10 @@ def test_an_object_replaced_between_session_start_and_read_is_never_handed_out(
     assert backend._sessions.open == 0
 
 
-def _stored(adapter: BackendAdapter, arena: memoryview) -> tuple[list[ObjectKey], list[bytes]]:
-    """``KEYS`` records stored from the first part of the arena: their keys and payloads."""
-    keys = make_keys(KEYS)
-    data = [pattern(i, SIZE) for i in range(KEYS)]
-    sources = _targets(arena, 0)
-    for source, payload in zip(sources, data, strict=True):
-        source[:] = payload
-    assert BlockingAdapterClient(adapter).store(keys, sources) == [True] * KEYS
-    assert backend_of(adapter).connection.l1_registered, "loads into L1 read under sessions"
-    return keys, data
-
-
-def _targets(arena: memoryview, part: int) -> list[memoryview]:
-    """The buffers of part ``part`` of the arena (0: the stored payloads), one per key."""
-    base = part * KEYS * SIZE
-    return [arena[base + i * SIZE : base + (i + 1) * SIZE] for i in range(KEYS)]
-
-
 def _session_left(backend: MooncakeStoreBackend, arena: memoryview, key: ObjectKey) -> bool:
     """Whether the adapter's client still holds a get session of ``key``: a read under
     none is refused (-600)."""
-    store, slot = backend.connection.store(), _targets(arena, THREADS)[0]
+    store, slot = backend.connection.store(), arena_buffers(arena, THREADS, KEYS, SIZE)[0]
     with backend.lanes.lane(5.0) as lane:
         codes = store.batch_get_into_multi_buffer_ranges(
             [backend.names.of(key)],

@@ -12,13 +12,12 @@ import pytest
 from lmcache_plugin_mooncake import backend as backend_module
 from lmcache_plugin_mooncake.cluster import LocalCluster, NotedCalls
 from lmcache_plugin_mooncake.headers import HEADER_BYTES
-from mooncake_helpers import backend_of, config_for, open_adapter
+from mooncake_helpers import arena_buffers, backend_of, config_for, open_adapter, stored_from_arena
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter
 from lmcache_tiers.l2.record import encode_header
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
-from lmcache_tiers.testing.l2 import make_keys, pattern
 
 SIZE = 64 << 10
 KEYS = 16
@@ -47,22 +46,6 @@ def adapter(
     opened.close()
 
 
-def _stored(adapter: BackendAdapter, arena: memoryview) -> tuple[list[ObjectKey], list[bytes]]:
-    keys = make_keys(KEYS)
-    data = [pattern(i, SIZE) for i in range(KEYS)]
-    sources = _buffers(arena, 0)
-    for source, payload in zip(sources, data, strict=True):
-        source[:] = payload
-    assert BlockingAdapterClient(adapter).store(keys, sources) == [True] * KEYS
-    assert backend_of(adapter).connection.l1_registered, "loads into L1 are ranged reads"
-    return keys, data
-
-
-def _buffers(arena: memoryview, part: int) -> list[memoryview]:
-    base = part * KEYS * SIZE
-    return [arena[base + i * SIZE : base + (i + 1) * SIZE] for i in range(KEYS)]
-
-
 def _load(adapter: BackendAdapter, keys: list[ObjectKey], targets: list[memoryview]) -> list[bool]:
     client = BlockingAdapterClient(adapter)
     assert client.lookup_and_lock(keys).found == [True] * len(keys)
@@ -77,7 +60,7 @@ def test_a_large_chunk_is_read_in_parts_under_one_session_start_and_end(
     """Parts of half the bytes left, each its own ranged read, after one session start
     and before one end; a damaged record in the first part and one in the last are
     misses and removed, every other key loads its own bytes."""
-    keys, data = _stored(adapter, arena)
+    keys, data = stored_from_arena(adapter, arena, KEYS, SIZE)
     backend = backend_of(adapter)
     damaged = [1, KEYS - 1]
     for index in damaged:
@@ -88,7 +71,7 @@ def test_a_large_chunk_is_read_in_parts_under_one_session_start_and_end(
     called: list[str] = []
     real = backend.connection.store()
     backend.connection.store = lambda: NotedCalls(real, called)  # type: ignore[method-assign]
-    targets = _buffers(arena, 1)
+    targets = arena_buffers(arena, 1, KEYS, SIZE)
     try:
         ok = _load(adapter, keys, targets)
     finally:
@@ -107,7 +90,7 @@ def test_a_large_chunk_is_read_in_parts_under_one_session_start_and_end(
 def test_a_part_is_verified_while_the_next_is_read(adapter: BackendAdapter, arena: memoryview) -> None:
     """The second part's read waits until a record of the first part is verified: the
     load completes only if that verification runs during the read, not after it."""
-    keys, data = _stored(adapter, arena)
+    keys, data = stored_from_arena(adapter, arena, KEYS, SIZE)
     backend = backend_of(adapter)
     real_store, real_check = backend.connection.store(), backend._verified
     first_verified = threading.Event()
@@ -131,7 +114,7 @@ def test_a_part_is_verified_while_the_next_is_read(adapter: BackendAdapter, aren
     waiting = SecondReadWaits()
     backend.connection.store = lambda: waiting  # type: ignore[method-assign]
     backend._verified = verified  # type: ignore[method-assign]
-    targets = _buffers(arena, 1)
+    targets = arena_buffers(arena, 1, KEYS, SIZE)
     try:
         assert backend.get_many_into(keys, targets) == [True] * KEYS
     finally:
@@ -146,7 +129,7 @@ def test_a_failed_read_of_a_later_part_fails_the_load_once_the_first_is_verified
     """The second part's read raises: the load raises, but only once the first part's
     verification ended (it reads the header lane, which is given back after it), and no
     session is left open."""
-    keys, _ = _stored(adapter, arena)
+    keys, _ = stored_from_arena(adapter, arena, KEYS, SIZE)
     backend = backend_of(adapter)
     real_store, real_check = backend.connection.store(), backend._verified
     lanes = backend.lanes.free
@@ -177,7 +160,7 @@ def test_a_failed_read_of_a_later_part_fails_the_load_once_the_first_is_verified
     backend._verified = verified  # type: ignore[method-assign]
     try:
         with pytest.raises(RuntimeError, match="transfer engine gone"):
-            backend.get_many_into(keys, _buffers(arena, 1))
+            backend.get_many_into(keys, arena_buffers(arena, 1, KEYS, SIZE))
         raised.set()
     finally:
         del backend.connection.store, backend._verified
@@ -192,7 +175,7 @@ def test_a_load_stops_between_its_parts_once_the_adapter_closes(
     """Closing begins during the first part's read: the parts read are verified and
     loaded, the rest are not read (a close must not wait for one Mooncake call after
     another), each of their keys a miss counted once."""
-    keys, data = _stored(adapter, arena)
+    keys, data = stored_from_arena(adapter, arena, KEYS, SIZE)
     backend = backend_of(adapter)
     real_store = backend.connection.store()
     reads: list[int] = []
@@ -208,7 +191,7 @@ def test_a_load_stops_between_its_parts_once_the_adapter_closes(
 
     closing = ClosingDuringTheFirstRead()
     backend.connection.store = lambda: closing  # type: ignore[method-assign]
-    targets = _buffers(arena, 1)
+    targets = arena_buffers(arena, 1, KEYS, SIZE)
     try:
         ok = backend.get_many_into(keys, targets)
     finally:
