@@ -201,3 +201,34 @@ def test_a_load_stops_between_its_parts_once_the_adapter_closes(
     assert [bytes(target) for target in targets[: PARTS[0]]] == data[: PARTS[0]]
     assert adapter.stats()["load_skipped_closing"] == KEYS - PARTS[0]
     assert backend._sessions.open == 0
+
+
+def test_on_one_core_a_large_chunk_is_one_read(
+    mooncake_pool: LocalCluster, arena: memoryview, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One core: no helper thread to verify a part on while the next is read (none is
+    started, so a part handed to one would never be verified), so the chunk is one read,
+    verified on the calling thread."""
+    monkeypatch.setattr(backend_module, "LOAD_PART_MIN_BYTES", PART_MIN_BYTES, raising=False)
+    monkeypatch.setattr(backend_module.os, "cpu_count", lambda: 1)
+    adapter = open_adapter(config_for(mooncake_pool), l1_buffer=arena)
+    try:
+        keys, data = stored_from_arena(adapter, arena, KEYS, SIZE)
+        backend = backend_of(adapter)
+        called: list[str] = []
+        real = backend.connection.store()
+        backend.connection.store = lambda: NotedCalls(real, called)  # type: ignore[method-assign]
+
+        def no_helper(*args: Any) -> Any:
+            raise AssertionError("work handed to a helper thread on one core")
+
+        backend._load_helpers.submit = no_helper  # type: ignore[method-assign]
+        targets = arena_buffers(arena, 1, KEYS, SIZE)
+        try:
+            assert backend.get_many_into(keys, targets) == [True] * KEYS
+        finally:
+            del backend.connection.store, backend._load_helpers.submit
+        assert called.count("batch_get_into_multi_buffer_ranges") == 1
+        assert [bytes(target) for target in targets] == data
+    finally:
+        adapter.close()
