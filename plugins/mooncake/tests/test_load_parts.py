@@ -18,6 +18,7 @@ from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter
 from lmcache_tiers.l2.record import encode_header
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
+from lmcache_tiers.testing.l2 import pattern
 
 SIZE = 64 << 10
 KEYS = 16
@@ -232,3 +233,59 @@ def test_on_one_core_a_large_chunk_is_one_read(
         assert [bytes(target) for target in targets] == data
     finally:
         adapter.close()
+
+
+def test_a_damaged_record_replaced_under_the_open_session_is_judged_on_the_new_object(
+    adapter: BackendAdapter, arena: memoryview, raw: Any
+) -> None:
+    """A damaged record of the first part is replaced by another writer's valid record
+    (at other memory: the freed one taken first) while the first part is read; it is
+    judged while the chunk's sessions are still open, which keep the old replica: the
+    judgment reads the object again from the master's answer, finds it replaced and keeps
+    it -- removing it would lose that writer's acknowledged store."""
+    keys, data = stored_from_arena(adapter, arena, KEYS, SIZE)
+    backend = backend_of(adapter)
+    name = backend.names.of(keys[1])
+    damaged = bytearray(encode_header(keys[1], data[1], align=HEADER_BYTES) + data[1])
+    damaged[HEADER_BYTES + SIZE // 2] ^= 0x10
+    assert raw.remove(name, True) == 0 and raw.put(name, bytes(damaged)) == 0
+    newer = pattern(KEYS + 1, SIZE)
+    real_store, real_judge = backend.connection.store(), backend._remove_damaged
+    reads: list[int] = []
+    judged = threading.Event()
+
+    def remove_damaged(*args: Any, **kwargs: Any) -> None:
+        real_judge(*args, **kwargs)
+        judged.set()
+
+    class ReplacedDuringTheFirstRead:
+        def __getattr__(self, attribute: str) -> Any:
+            return getattr(real_store, attribute)
+
+        def batch_get_into_multi_buffer_ranges(self, names: list[str], *args: Any) -> list[int]:
+            if reads:  # the first part's damage is judged while the sessions are open
+                assert judged.wait(60), "the damaged record was not judged during the second read"
+            codes = list(real_store.batch_get_into_multi_buffer_ranges(names, *args))
+            reads.append(len(names))
+            if len(reads) == 1:
+                assert raw.remove(name, True) == 0
+                assert raw.put(name + "-filler", bytes(len(damaged))) == 0
+                assert raw.put(name, encode_header(keys[1], newer, align=HEADER_BYTES) + newer) == 0
+            return codes
+
+    replacing = ReplacedDuringTheFirstRead()
+    backend.connection.store = lambda: replacing  # type: ignore[method-assign]
+    backend._remove_damaged = remove_damaged  # type: ignore[method-assign]
+    targets = arena_buffers(arena, 1, KEYS, SIZE)
+    try:
+        ok = backend.get_many_into(keys, targets)
+    finally:
+        del backend.connection.store, backend._remove_damaged
+        raw.remove(name + "-filler", True)
+    assert reads == PARTS
+    assert ok == [index != 1 for index in range(KEYS)]
+    stats = adapter.stats()
+    assert stats.get("corrupt_reads_replaced", 0) == 1 and stats.get("corrupt_records_removed", 0) == 0, stats
+    assert raw.is_exist(name) == 1, "the other writer's record was removed"
+    assert backend.get_many_into(keys[1:2], targets[1:2]) == [True] and bytes(targets[1]) == newer
+    assert backend._sessions.open == 0
