@@ -865,10 +865,10 @@ def test_a_failed_lookup_gives_back_the_locks_of_the_parts_before(server: TiersS
     keys = keys_of(6)
 
     class FailingSecondPart(Client):
-        def _lookup_part(self, part: list[ObjectKey], deadline: float, limit: float) -> int:
+        def _lookup_part(self, part: list[ObjectKey], *bounds: float) -> int:
             if part[0] == keys[4]:
                 raise RequestTimeoutError("the second part's prefetch did not finish")
-            return super()._lookup_part(part, deadline, limit)
+            return super()._lookup_part(part, *bounds)
 
     with FailingSecondPart(server.endpoint) as client:
         client.max_keys = 4
