@@ -13,7 +13,9 @@ client's LOOKUPs (the ratio of each pair of rounds, whose median is the figure t
 target is judged on: both sides see the same load on the machine); and
 PING and LOOKUP are sent to the server through a bare DEALER socket too, next to the echo
 process answering the same bytes, placed as those rounds are, which splits a round trip
-into the transport's, the server's and the client library's shares.  How
+into the transport's, the server's and the client library's shares.  Every bare round
+trip waits for its reply as the client does (polled for up to the client's default
+``reply_spin_s``, then slept on), so the floor saves the same wake-up the client does.  How
 fast a sequential round trip can be depends on where the scheduler puts the two processes
 (sharing a core, or each on its own), so the floor moves with the machine and the load on
 it; the ratio to it does not.  What each key adds to a LOOKUP is the gap between a long
@@ -57,6 +59,7 @@ from server_store import StoreFigures, l2_adapter_json, store_many_clients, stor
 from lmcache_tiers.cli.commands_server import bench_table, run_with_progress
 from lmcache_tiers.cli.output import stdout
 from lmcache_tiers.client import Client, ClientError
+from lmcache_tiers.client.spin import REPLY_SPIN_S, poll_for_reply
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.server.benchmark import BenchKeys
 from lmcache_tiers.testing.ports import free_port
@@ -67,6 +70,8 @@ LOOKUP_TARGET_PER_S = 10_000
 LOOKUP_FLOOR_TARGET = 0.8  # of the bare round trip, 16-key LOOKUP (issue 16)
 PER_KEY_TARGET_US = 0.3  # extra cost per key of a long LOOKUP over a short one (issue 16)
 ECHO_REQUESTS = 20_000
+#: how long a floor's round trip polls for its reply before sleeping on it: as the client
+REPLY_SPIN_NS = int(REPLY_SPIN_S * 1e9)
 #: pairs of rounds (echo, LOOKUP) of ``lookup_against_floor``: short rounds, so that a
 #: burst of load on the shared machine falls on both rounds of a pair or on few pairs
 FLOOR_ROUNDS = 40
@@ -162,6 +167,14 @@ def echo_socket(url: str) -> zmq.Socket[bytes]:
     return sock
 
 
+def receive_reply(sock: zmq.Socket[bytes]) -> None:
+    """Wait for the next reply as the client waits for its own: polled for up to its
+    default ``reply_spin_s``, then slept on (client/spin.py), so that a floor and the
+    client's calls it is put next to save the same wake-up."""
+    if poll_for_reply(sock, REPLY_SPIN_NS) is None:
+        sock.recv()
+
+
 def echo_round_trips(sock: zmq.Socket[bytes], request: bytes, requests: int) -> tuple[float, list[float]]:
     """``requests`` sequential round trips of ``request``: (seconds, each in microseconds)."""
     samples: list[float] = []
@@ -169,7 +182,7 @@ def echo_round_trips(sock: zmq.Socket[bytes], request: bytes, requests: int) -> 
     for _ in range(requests):
         start = time.perf_counter_ns()
         sock.send(request)
-        sock.recv()
+        receive_reply(sock)
         samples.append((time.perf_counter_ns() - start) / 1e3)
     return time.perf_counter() - began, samples
 

@@ -21,8 +21,9 @@ which stay cached).  Scenarios (``--scenarios``):
 * ``l2-fresh`` -- both.
 
 Next to each scenario's lookups, its floor: a bare ZeroMQ round trip of the same request
-bytes to an echo process, timed once per request in the same loop and placed as a lookup
-is (after a copy of the request's bytes and a round trip that woke the other side), while
+bytes to an echo process (its reply waited for as the client waits for its own), timed
+once per request in the same loop and placed as a lookup is (after a copy of the request's
+bytes and a round trip that woke the other side), while
 the same server and its write-back run.  Its p99 over its p50 is the tail the machine
 itself gives a round trip there, which a lookup's cannot beat.
 
@@ -65,7 +66,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_args import BenchParser
-from bench_server import echo_process, echo_socket, floor_request, start_server
+from bench_server import echo_process, echo_socket, floor_request, receive_reply, start_server
 from server_store import l2_adapter_json, wait_populated
 
 from lmcache_tiers.client import Client
@@ -177,10 +178,10 @@ class EchoFloor:
             np.copyto(target, source)
         sock = self.sock
         sock.send(request)
-        sock.recv()
+        receive_reply(sock)
         start = time.perf_counter()
         sock.send(request)
-        sock.recv()
+        receive_reply(sock)
         self.samples.append((time.perf_counter() - start) * 1e3)
 
 

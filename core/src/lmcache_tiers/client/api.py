@@ -27,6 +27,7 @@ from lmcache_tiers.client.errors import (
     ServerError,
     StaleReadError,
 )
+from lmcache_tiers.client.spin import REPLY_SPIN_S
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.layout import check_layout, layout_of, reader_layout_of
 from lmcache_tiers.wire import protocol as p
@@ -122,6 +123,9 @@ class Client(Connection):
     ``$LMCACHE_TIERS_AUTH_TOKEN``.  ``shm``: use the server's shared-memory segment when
     it offers one and this process can map it (same host, same ``/dev/shm``), else send
     bytes inline; False always sends bytes inline.  ``uses_shm`` tells which it is.
+    ``reply_spin_s``: how long a call polls for its reply before sleeping on it (default
+    0.5 ms; 0: never), which spares it the wake-up of an idle CPU
+    (:mod:`lmcache_tiers.client.spin`).
     """
 
     #: how many times ``retrieve_into`` asks again for objects whose extents changed hands
@@ -136,6 +140,7 @@ class Client(Connection):
         shm: bool = True,
         name: str = "",
         cleanup_timeout: float = CLEANUP_TIMEOUT_S,
+        reply_spin_s: float = REPLY_SPIN_S,
     ) -> None:
         self._segment: MappedSegment | None = None
         # how many open retrieve blocks of this client read each key (see _stop_reading)
@@ -150,7 +155,12 @@ class Client(Connection):
         # the HELLO of the last server told it leaves readers' layouts unchecked
         self._layouts_unchecked_by: p.HelloReply | None = None
         super().__init__(
-            url, timeout=timeout, auth_token=auth_token, name=name, cleanup_timeout=cleanup_timeout
+            url,
+            timeout=timeout,
+            auth_token=auth_token,
+            name=name,
+            cleanup_timeout=cleanup_timeout,
+            reply_spin_s=reply_spin_s,
         )
         # Asked on every lookup: decided once (older servers would ignore the wait).
         self._lookup_waits = "lookup_wait" in self.server.features

@@ -43,6 +43,7 @@ from lmcache_tiers.client.errors import (
     ServerError,
     error_code,
 )
+from lmcache_tiers.client.spin import REPLY_SPIN_S, checked_spin, poll_for_reply
 from lmcache_tiers.endpoints import check_server_url
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
@@ -183,10 +184,13 @@ class Connection:
         auth_token: str | None,
         name: str,
         cleanup_timeout: float = CLEANUP_TIMEOUT_S,
+        reply_spin_s: float = REPLY_SPIN_S,
     ) -> None:
         self.url = url
         self.timeout = checked_timeout(timeout)
         self.cleanup_timeout = checked_timeout(cleanup_timeout, "cleanup_timeout")
+        # how long a call polls for its reply before sleeping on it (client/spin.py)
+        self._spin_ns = int(checked_spin(reply_spin_s) * 1e9)
         self._token = auth_token if auth_token is not None else os.environ.get(AUTH_TOKEN_ENV, "")
         if len(self._token) > p.MAX_TOKEN_LEN or len(name) > p.MAX_TOKEN_LEN:
             raise ClientError(f"auth token and client name are limited to {p.MAX_TOKEN_LEN} characters")
@@ -480,10 +484,12 @@ class Connection:
             except zmq.Again:
                 # waits for the server to be reachable
                 self._outstanding[req_id] = self._send(header, (), deadline)
-            try:
-                first = _raw_recv(sock, 0, False)
-            except zmq.Again:
-                return self._await(request, expect, deadline)[0]  # no reply yet: times out there
+            first = poll_for_reply(sock, self._spin_ns)
+            if first is None:
+                try:
+                    first = _raw_recv(sock, 0, False)
+                except zmq.Again:
+                    return self._await(request, expect, deadline)[0]  # no reply yet: times out there
             if first.more:
                 frames = [first.bytes, *_rest_of_message(sock)]
                 self._early_or_settle(frames)

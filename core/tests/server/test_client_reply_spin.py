@@ -1,0 +1,110 @@
+"""A call polls for its reply up to the client's ``reply_spin_s`` before sleeping on it
+(client/spin.py): replies taken while polling and replies slept on are the same replies,
+a poll ends at its bound, no poll runs when it is off, and a bad value is refused before
+anything connects."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+import pytest
+import zmq
+
+import lmcache_tiers.client.connection as connection
+from lmcache_tiers.client import Client
+from lmcache_tiers.client.spin import MAX_REPLY_SPIN_S, REPLY_SPIN_S, checked_spin, poll_for_reply
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.server.app import TiersServer
+
+
+@pytest.fixture
+def pair() -> Any:
+    """A ROUTER and the DEALER connected to it, in process."""
+    context = zmq.Context.instance()
+    router = context.socket(zmq.ROUTER)
+    dealer = context.socket(zmq.DEALER)
+    url = f"inproc://spin-{os.urandom(4).hex()}"
+    router.bind(url)
+    dealer.connect(url)
+    yield router, dealer
+    dealer.close(0)
+    router.close(0)
+
+
+def test_a_poll_takes_a_message_that_is_there(pair: Any) -> None:
+    router, dealer = pair
+    dealer.send(b"hello")
+    identity, _ = router.recv_multipart()
+    router.send_multipart([identity, b"first", b"second"])
+    deadline = time.monotonic() + 10
+    frame = None
+    while frame is None and time.monotonic() < deadline:
+        frame = poll_for_reply(dealer, 1_000_000)
+    assert frame is not None and frame.bytes == b"first" and frame.more
+    assert dealer.recv() == b"second"
+
+
+def test_a_poll_that_finds_nothing_ends_at_its_bound(pair: Any) -> None:
+    _, dealer = pair
+    started = time.perf_counter_ns()
+    assert poll_for_reply(dealer, 2_000_000) is None
+    assert time.perf_counter_ns() - started >= 2_000_000
+
+
+def test_no_poll_runs_when_it_is_off(pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, dealer = pair
+
+    def polled(*args: object) -> None:
+        raise AssertionError("polled with the spin off")
+
+    monkeypatch.setattr("lmcache_tiers.client.spin._recv", polled)
+    assert poll_for_reply(dealer, 0) is None
+
+
+@pytest.mark.parametrize(
+    "bad", [math.nan, -1e-6, MAX_REPLY_SPIN_S * 2, math.inf, True, "0.001", None], ids=repr
+)
+def test_a_bad_spin_is_refused_before_anything_connects(bad: Any) -> None:
+    with pytest.raises(ValueError, match="reply_spin_s must"):
+        Client("tcp://127.0.0.1:1", reply_spin_s=bad)
+
+
+def test_the_spin_bounds_are_taken_as_floats() -> None:
+    assert checked_spin(0) == 0.0 and type(checked_spin(0)) is float
+    assert checked_spin(MAX_REPLY_SPIN_S) == MAX_REPLY_SPIN_S
+    assert 0 < REPLY_SPIN_S <= MAX_REPLY_SPIN_S
+
+
+@pytest.mark.parametrize("spin", [MAX_REPLY_SPIN_S, 1e-9, 0.0], ids=["polled", "slept-on", "off"])
+def test_replies_polled_for_and_slept_on_are_the_same_replies(
+    server: TiersServer, spin: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the longest spin the replies are taken while polling; with a spin of a
+    nanosecond a poll ends before any reply can come, and each call sleeps on its reply;
+    with none nothing polls.  Every call answers the same either way."""
+    outcomes: list[bool] = []
+
+    def counted(sock: Any, spin_ns: int) -> Any:
+        frame = poll_for_reply(sock, spin_ns)
+        outcomes.append(frame is not None)
+        return frame
+
+    monkeypatch.setattr(connection, "poll_for_reply", counted)
+    keys = [ObjectKey("spin", 0, os.urandom(8)) for _ in range(3)]
+    payloads = [os.urandom(256) for _ in keys]
+    with Client(server.endpoint, reply_spin_s=spin) as client:
+        assert client.store(keys, payloads) == 3
+        assert client.lookup(keys) == 3
+        with client.retrieve(keys) as views:
+            assert [bytes(view) for view in views] == payloads
+        assert client.lookup([*keys, ObjectKey("spin", 0, os.urandom(8))]) == 3
+        assert client.release(keys) == 3
+        assert client.ping() > 0
+    assert outcomes, "no call went through the usual round trip"
+    if spin == MAX_REPLY_SPIN_S:
+        assert any(outcomes)  # the server answers well within 10 ms, at least once
+    else:
+        assert not any(outcomes)
