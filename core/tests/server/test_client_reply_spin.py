@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 import lmcache_tiers.client.connection as connection
-from lmcache_tiers.client import Client
+from lmcache_tiers.client import Client, RequestTimeoutError
 from lmcache_tiers.client.spin import MAX_REPLY_SPIN_S, REPLY_SPIN_S, checked_spin, poll_for_reply
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.server.app import TiersServer
@@ -122,3 +122,50 @@ def test_replies_polled_for_and_slept_on_are_the_same_replies(
     assert len(polls) >= 6, "calls left the usual round trip"
     assert {spin_ns for spin_ns, _ in polls} == {int(spin * 1e9)}
     assert {taken for _, taken in polls} == {poll is _poll_until_a_frame}
+
+
+class _Clock:
+    """``time`` for connection.py, whose monotonic clock a test moves on."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.ahead
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def test_a_short_call_polls_and_waits_within_its_own_time(
+    server: TiersServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call whose timeout is shorter than its poll and first blocking wait together
+    polls no longer than its timeout, and after a poll that found nothing waits only for
+    what is left of it: here the poll (made to take its whole bound) used it all up, and
+    the call times out without another receive.  It used to poll up to ``reply_spin_s``
+    past a timeout shorter than that, then wait a whole slice (the timeout again) on top."""
+    clock = _Clock()
+    bounds: list[int] = []
+    receives: list[int] = []
+    receive = connection._raw_recv
+
+    def poll_taking_its_bound(sock: Any, spin_ns: int) -> Any:
+        bounds.append(spin_ns)
+        clock.ahead += spin_ns / 1e9
+        return None
+
+    def counted_receive(sock: Any, flags: int, copy: bool) -> Any:
+        receives.append(flags)
+        return receive(sock, flags, copy)
+
+    with Client(server.endpoint, reply_spin_s=MAX_REPLY_SPIN_S) as client:
+        monkeypatch.setattr(connection, "time", clock)
+        monkeypatch.setattr(connection, "poll_for_reply", poll_taking_its_bound)
+        monkeypatch.setattr(connection, "_raw_recv", counted_receive)
+        with pytest.raises(RequestTimeoutError):
+            client.ping(timeout=MAX_REPLY_SPIN_S / 2)
+        assert bounds == [int(MAX_REPLY_SPIN_S / 2 * 1e9)]
+        assert receives == []
+        monkeypatch.undo()
+        assert client.ping() > 0  # the late reply is dropped on the way

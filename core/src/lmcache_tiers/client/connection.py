@@ -190,7 +190,11 @@ class Connection:
         self.timeout = checked_timeout(timeout)
         self.cleanup_timeout = checked_timeout(cleanup_timeout, "cleanup_timeout")
         # how long a call polls for its reply before sleeping on it (client/spin.py)
-        self._spin_ns = int(checked_spin(reply_spin_s) * 1e9)
+        spin_s = checked_spin(reply_spin_s)
+        self._spin_ns = int(spin_s * 1e9)
+        # a call shorter than this would end its first blocking wait past its deadline after
+        # a poll: its poll and that wait come out of its own time (see _round_trip)
+        self._short_call_s = LINK_CHECK_S + spin_s if spin_s else 0.0
         self._token = auth_token if auth_token is not None else os.environ.get(AUTH_TOKEN_ENV, "")
         if len(self._token) > p.MAX_TOKEN_LEN or len(name) > p.MAX_TOKEN_LEN:
             raise ClientError(f"auth token and client name are limited to {p.MAX_TOKEN_LEN} characters")
@@ -484,8 +488,15 @@ class Connection:
             except zmq.Again:
                 # waits for the server to be reachable
                 self._outstanding[req_id] = self._send(header, (), deadline)
-            first = poll_for_reply(sock, self._spin_ns)
+            spin_ns = self._spin_ns
+            short = seconds < self._short_call_s
+            if short:
+                spin_ns = min(spin_ns, int(seconds * 1e9))
+            first = poll_for_reply(sock, spin_ns)
             if first is None:
+                if short:
+                    # the rest of its time, and no more: its slice was set before the poll
+                    return self._await(request, expect, deadline)[0]
                 try:
                     first = _raw_recv(sock, 0, False)
                 except zmq.Again:
