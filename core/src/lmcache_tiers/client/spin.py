@@ -11,10 +11,13 @@ alternating):
   1.15 ms sleeping, 309 us and 0.44 ms polling -- the rest is the server's own CPU waking.
 
 So a call polls its reply for up to ``REPLY_SPIN_S`` (the client's ``reply_spin_s``), then
-sleeps on it as before.  Each poll gives the CPU away (``sched_yield``) when another
-thread is ready to run there, and neither the poll nor the yield holds the GIL, so the
-engine's other threads and the server, on a machine with few cores, are not held up by it;
-a reply slower than that costs its call up to ``REPLY_SPIN_S`` of CPU more.  0 turns it off.
+sleeps on it as before.  Each look (3-4 us here, most of it pyzmq raising ``zmq.Again``)
+gives the CPU away (``sched_yield``) when another thread is ready to run there, which the
+server, on a machine with few cores, may be; the receive and the yield let the GIL go, so a
+busy Python thread of the engine runs beside a poll as fast as beside a sleeping call, but
+the rest of each look holds it: a thread that wakes wanting the GIL may wait up to the
+poll's end.  A reply slower than the poll costs its call up to ``REPLY_SPIN_S`` of CPU
+more.  0 turns it off.
 """
 
 from __future__ import annotations
