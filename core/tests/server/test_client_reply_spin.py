@@ -137,14 +137,19 @@ class _Clock:
         return getattr(time, name)
 
 
+@pytest.mark.parametrize(
+    ("spin", "timeout"),
+    [(MAX_REPLY_SPIN_S, MAX_REPLY_SPIN_S / 2), (REPLY_SPIN_S, 0.001)],
+    ids=["max", "default"],
+)
 def test_a_short_call_polls_and_waits_within_its_own_time(
-    server: TiersServer, monkeypatch: pytest.MonkeyPatch
+    server: TiersServer, spin: float, timeout: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A call whose timeout is shorter than its poll and first blocking wait together
-    polls no longer than its timeout, and after a poll that found nothing waits only for
-    what is left of it: here the poll (made to take its whole bound) used it all up, and
-    the call times out without another receive.  It used to poll up to ``reply_spin_s``
-    past a timeout shorter than that, then wait a whole slice (the timeout again) on top."""
+    """A call whose timeout is shorter than its poll and the least blocking wait (1 ms)
+    together polls for its timeout and no longer, then waits no more: here the poll (made
+    to take its whole bound) used it all up, and the call times out without a receive.  It
+    used to poll up to ``reply_spin_s`` past a timeout shorter than that, or poll 0.5 ms of
+    a 1 ms one, then wait a whole slice (the timeout again, or 1 ms) on top."""
     clock = _Clock()
     bounds: list[int] = []
     receives: list[int] = []
@@ -159,13 +164,17 @@ def test_a_short_call_polls_and_waits_within_its_own_time(
         receives.append(flags)
         return receive(sock, flags, copy)
 
-    with Client(server.endpoint, reply_spin_s=MAX_REPLY_SPIN_S) as client:
+    with Client(server.endpoint, reply_spin_s=spin) as client:
         monkeypatch.setattr(connection, "time", clock)
         monkeypatch.setattr(connection, "poll_for_reply", poll_taking_its_bound)
         monkeypatch.setattr(connection, "_raw_recv", counted_receive)
         with pytest.raises(RequestTimeoutError):
-            client.ping(timeout=MAX_REPLY_SPIN_S / 2)
-        assert bounds == [int(MAX_REPLY_SPIN_S / 2 * 1e9)]
+            client.ping(timeout=timeout)
+        assert bounds == [int(timeout * 1e9)]
         assert receives == []
+        # A short call with more time than that polls for its spin, then waits for the
+        # rest (bounded by its deadline, not by the slice set before the poll).
+        assert client.ping(timeout=0.2) > 0
+        assert bounds[1:] == [int(spin * 1e9)]
         monkeypatch.undo()
         assert client.ping() > 0  # the late reply is dropped on the way

@@ -86,6 +86,8 @@ CLEANUP_TIMEOUT_S = 2.0
 #: how long a request waits for its reply between looks at whether its connection is gone
 LINK_CHECK_S = 0.25
 _LINK_CHECK_MS = int(LINK_CHECK_S * 1000)
+#: the shortest blocking wait for a reply (the socket's receive timeout is in milliseconds)
+_MIN_WAIT_S = 0.001
 #: the longest single wait for the server to become reachable (a request waits in slices)
 _MAX_POLL_S = 3600.0
 #: a connection over which nothing arrived this long after a heartbeat is taken as gone
@@ -195,6 +197,9 @@ class Connection:
         # a call shorter than this would end its first blocking wait past its deadline after
         # a poll: its poll and that wait come out of its own time (see _round_trip)
         self._short_call_s = LINK_CHECK_S + spin_s if spin_s else 0.0
+        # a call shorter than this polls for all of its time: what its poll would leave is
+        # less than a blocking wait's least (whole milliseconds), which would outlast it
+        self._poll_whole_call_s = spin_s + _MIN_WAIT_S if spin_s else 0.0
         self._token = auth_token if auth_token is not None else os.environ.get(AUTH_TOKEN_ENV, "")
         if len(self._token) > p.MAX_TOKEN_LEN or len(name) > p.MAX_TOKEN_LEN:
             raise ClientError(f"auth token and client name are limited to {p.MAX_TOKEN_LEN} characters")
@@ -490,8 +495,8 @@ class Connection:
                 self._outstanding[req_id] = self._send(header, (), deadline)
             spin_ns = self._spin_ns
             short = seconds < self._short_call_s
-            if short:
-                spin_ns = min(spin_ns, int(seconds * 1e9))
+            if short and seconds < self._poll_whole_call_s:
+                spin_ns = int(seconds * 1e9)
             first = poll_for_reply(sock, spin_ns)
             if first is None:
                 if short:
