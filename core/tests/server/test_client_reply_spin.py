@@ -1,7 +1,7 @@
 """A call polls for its reply up to the client's ``reply_spin_s`` before sleeping on it
 (client/spin.py): replies taken while polling and replies slept on are the same replies,
-a poll ends at its bound, no poll runs when it is off, and a bad value is refused before
-anything connects."""
+a poll ends at its bound, no poll runs when it is off, a call polls and waits within its
+own timeout, and a bad value is refused before anything connects."""
 
 from __future__ import annotations
 
