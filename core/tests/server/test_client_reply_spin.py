@@ -61,6 +61,7 @@ def test_no_poll_runs_when_it_is_off(pair: Any, monkeypatch: pytest.MonkeyPatch)
         raise AssertionError("polled with the spin off")
 
     monkeypatch.setattr("lmcache_tiers.client.spin._recv", polled)
+    monkeypatch.setattr("lmcache_tiers.client.spin._get", polled)
     assert poll_for_reply(dealer, 0) is None
 
 
