@@ -23,9 +23,9 @@ which stay cached).  Scenarios (``--scenarios``):
 Next to each scenario's lookups, its floor: a bare ZeroMQ round trip of the same request
 bytes to an echo process (its reply waited for as the client waits for its own), timed
 once per request in the same loop and placed as a lookup is (after a copy of the request's
-bytes and a round trip that woke the other side), while
-the same server and its write-back run.  Its p99 over its p50 is the tail the machine
-itself gives a round trip there, which a lookup's cannot beat.
+bytes and a round trip that woke the other side), while the same server and its write-back
+run, the echo process at the priority the server gives its request threads.  Its p99 over its p50 is the tail the machine itself gives a round
+trip there, which a lookup's cannot beat.
 
 Where the arena lives decides what a fresh client's first copies cost: on /dev/shm without
 huge pages every 4 KiB page of its mapping takes a fault, on a tmpfs mounted ``huge=always``
@@ -71,6 +71,7 @@ from server_store import l2_adapter_json, wait_populated
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.server.priority import REQUEST_NICE
 from lmcache_tiers.testing.mounts import tmpfs_at
 
 SCENARIOS = ("warm", "fresh", "l2", "l2-fresh")
@@ -158,6 +159,17 @@ def memcpy_ms(sources: list[np.ndarray[Any, Any]], repeats: int = 9, spread: int
 COLD_SPREAD = 8
 
 
+def at_request_priority(pid: int) -> None:
+    """Every thread of process ``pid`` (the echo process: its loop and ZeroMQ's I/O thread)
+    at the nice the server runs its request threads at, so that the floor's round trip
+    competes for a core as the server's requests do; said on stderr where the OS refuses."""
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            os.setpriority(os.PRIO_PROCESS, int(task), REQUEST_NICE)
+    except OSError as exc:
+        print(f"the echo process keeps its priority: nice {REQUEST_NICE} refused ({exc})", file=sys.stderr)
+
+
 class EchoFloor:
     """Bare round trips to an echo process (``sock``), one per request, in ms."""
 
@@ -198,7 +210,8 @@ def run_scenario(
     """``scenario``'s figures, with the lookup's floor (``EchoFloor``) taken from an echo
     process started next to its server."""
     with contextlib.ExitStack() as stack:
-        echo_url, _ = stack.enter_context(echo_process(transport))
+        echo_url, echo_pid = stack.enter_context(echo_process(transport))
+        at_request_priority(echo_pid)
         sock = echo_socket(echo_url)
         stack.callback(sock.close, 0)
         floor = EchoFloor(sock)
