@@ -24,8 +24,9 @@ Next to each scenario's lookups, its floor: a bare ZeroMQ round trip of the same
 bytes to an echo process (its reply waited for as the client waits for its own), timed
 once per request in the same loop and placed as a lookup is (after a copy of the request's
 bytes and a round trip that woke the other side), while the same server and its write-back
-run, the echo process at the priority the server gives its request threads.  Its p99 over its p50 is the tail the machine itself gives a round
-trip there, which a lookup's cannot beat.
+run, the echo process at the priority the server gives its request threads.  Its p99 over
+its p50 is the tail the machine itself gives a round trip there, which a lookup's cannot
+beat.
 
 Where the arena lives decides what a fresh client's first copies cost: on /dev/shm without
 huge pages every 4 KiB page of its mapping takes a fault, on a tmpfs mounted ``huge=always``
