@@ -21,7 +21,7 @@ fast a sequential round trip can be depends on where the scheduler puts the two 
 it; the ratio to it does not.  What each key adds to a LOOKUP is the gap between a long
 and a short one, measured for the same key list every time, a different list each time,
 the RELEASE of what it locked, and keys nobody stored or named before (all misses, each
-decoded and checked for the first time).
+checked for the first time; a LOOKUP decodes only the first).
 
     python bench/bench_server.py                       # 64 x 2 MiB, 16-key lookups, tcp://
     python bench/bench_server.py --transport ipc       # the same over ipc://

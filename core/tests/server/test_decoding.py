@@ -236,9 +236,9 @@ def test_a_key_list_seen_before_is_handed_out_again_as_a_list_of_its_own() -> No
     """A repeated key list (one memcmp instead of a probe per key) gives the same keys,
     the same objects, in a new list each time: a caller changing one changes no other."""
     cache = KeyCache()
-    header = p.encode(p.Lookup(1, "", SAME_SIZE[:64]))
+    header = p.encode(p.Release(1, "", SAME_SIZE[:64]))
     first = decode_request(header, cache)
-    assert isinstance(first, p.Lookup)
+    assert isinstance(first, p.Release)
     first.keys.reverse()
     again = decode_request(p.encode(p.Retrieve(2, "", SAME_SIZE[:64], True)), cache)
     assert isinstance(again, p.Retrieve) and again.keys == SAME_SIZE[:64]
@@ -285,7 +285,7 @@ def test_a_key_list_is_kept_when_it_comes_again_soon_and_never_copied_otherwise(
     from lmcache_tiers.wire import decoding
 
     cache = KeyCache()
-    header = p.encode(p.Lookup(1, "", SAME_SIZE[:64]))
+    header = p.encode(p.Release(1, "", SAME_SIZE[:64]))  # (a LOOKUP's new keys stay undecoded)
     decode_request(header, cache)
     assert cache._lists == {}, "seen once: only noted"
     decode_request(header, cache)

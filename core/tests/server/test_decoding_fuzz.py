@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.lazy_keys import LazyKeys
 from lmcache_tiers.wire import decoding
 from lmcache_tiers.wire import protocol as p
 from lmcache_tiers.wire.decoding import KeyCache, decode_request
@@ -125,12 +126,15 @@ def invalid_element(rng: random.Random) -> bytes:
 class Session:
     """One client's requests through one KeyCache, with the key lists it sent before."""
 
+    ops = KEYED
+
     def __init__(self, rng: random.Random, cache: KeyCache) -> None:
         self.rng = rng
         self.cache = cache
         self.sent: list[list[bytes]] = []
         self.families = [self._family() for _ in range(rng.randint(2, 4))]
         self.checked = 0
+        self.lazy = 0  # LOOKUPs whose new keys came out undecoded (compared decoded)
 
     def _family(self) -> list[bytes]:
         """Keys of one shape: one model, salt, rank and hash length (so one encoded size,
@@ -223,7 +227,7 @@ class Session:
                     [p.Ping(1, ""), p.Status(2, "t"), p.Clear(3, "", True), p.QueryPrefetchStatus(4, "", 5)]
                 )
             )
-        op = rng.choice(KEYED)
+        op = rng.choice(self.ops)
         count = len(elements)
         declared = count
         if rng.random() < 0.02:
@@ -291,6 +295,8 @@ class Session:
         assert got == expected, header.hex()
         if expected[0] == "ok":
             assert type(got[1]) is type(expected[1])
+            if isinstance(got[1], p.Lookup) and isinstance(got[1].keys, LazyKeys):
+                self.lazy += 1
         self.checked += 1
 
     def mutations(self, header: bytes) -> list[bytes]:
@@ -353,6 +359,35 @@ def test_decode_request_matches_the_full_decoder_on_random_sessions(seed: int, e
     session = Session(random.Random(seed), KeyCache(entries=entries))
     session.run(40)
     assert session.checked >= 40
+
+
+class NewPromptSession(Session):
+    """LOOKUPs of keys never sent before (a new prompt), now and then with a key of another
+    family or an invalid one put in, and mutated: the lists ``decode_request`` hands out
+    undecoded (``LazyKeys``) and the ones it must not."""
+
+    ops = [p.Op.LOOKUP]
+
+    def key_list(self) -> list[bytes]:
+        rng = self.rng
+        family = self._family()
+        self.families[rng.randrange(len(self.families))] = family  # others' keys to put in
+        count = min(len(family), rng.choice([32, 33, 40, 64, 100, 300, 512]))
+        start = rng.randrange(len(family) - count + 1)
+        return self._touched(family[start : start + count])
+
+
+@settings(
+    max_examples=max(EXAMPLES // 2, 10),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    database=None,
+)
+@given(seed=st.integers(0, 2**64 - 1))
+def test_lookups_of_new_keys_match_the_full_decoder(seed: int) -> None:
+    session = NewPromptSession(random.Random(seed), KeyCache())
+    session.run(20)
+    assert session.lazy >= 1
 
 
 @settings(

@@ -19,6 +19,7 @@ import numpy as np
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Loan, L1Object
 from lmcache_tiers.l2.interface import LookupResult
+from lmcache_tiers.lazy_keys import LazyKeys
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +197,11 @@ def unique_length(keys: Sequence[ObjectKey], l1_hits: int) -> int:
     """``len(unique_prefix(keys))`` without building the list; ``l1_hits`` is the length of
     the L1 prefix found with ``until_repeat`` (every key of it distinct).  Keys whose chunk
     hashes differ differ: a set of those bytes costs less than one of keys that a miss has
-    not hashed yet (each field of each)."""
-    if l1_hits == len(keys) or len({key.chunk_hash for key in keys}) == len(keys):
-        return len(keys)
-    return len(unique_prefix(keys))
+    not hashed yet (each field of each); a LOOKUP's new keys are not even decoded for it."""
+    if l1_hits == len(keys):
+        return l1_hits
+    if isinstance(keys, LazyKeys):
+        distinct = keys.all_distinct()
+    else:
+        distinct = len({key.chunk_hash for key in keys}) == len(keys)
+    return len(keys) if distinct else len(unique_prefix(keys))

@@ -63,6 +63,15 @@ and then compared whole (one ``memcmp``): equal bytes decode to equal keys, so t
 gave before are handed out again, in a list of the caller's own.  A list is kept only the
 second time it is seen (the first time only its length and last bytes are noted): keeping
 a copy of every list costs a lookup of a new prefix more than the repeats save.
+
+A LOOKUP's list of new keys (:data:`_LAZY_MIN_KEYS` or more, its first key not known) is
+not decoded key by key: a new prompt misses at its first key, and no other is looked at
+unless something needs them (a hit in L1, an L2 adapter).  The list is proven valid as a
+whole -- every piece equal to the first key's canonical encoding outside the bytes of its
+chunk hash, so each is that key with another hash of the same length -- and handed out as
+a :class:`~lmcache_tiers.lazy_keys.LazyKeys`, which decodes them all through this cache
+the first time anything but the first key is asked for.  A list not proven so is decoded
+as above.
 """
 
 from __future__ import annotations
@@ -72,8 +81,10 @@ from collections.abc import Sequence
 from typing import Annotated, Any, NamedTuple, Union, get_args
 
 import msgspec
+import numpy as np
 
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.lazy_keys import LazyKeys
 from lmcache_tiers.wire import protocol as p
 
 __all__ = ["KEY_CACHE_ENTRIES", "KeyCache", "decode_request"]
@@ -85,6 +96,7 @@ KEY_CACHE_ENTRIES = 1 << 16
 
 _RawKeys = Annotated[list[msgspec.Raw], msgspec.Meta(max_length=p.MAX_KEYS_PER_REQUEST)]
 _raw_keys_decoder: msgspec.msgpack.Decoder[list[msgspec.Raw]] = msgspec.msgpack.Decoder(_RawKeys)
+_KEY_ENCODER = msgspec.msgpack.Encoder().encode
 #: compiled equal-piece layouts by (piece length, pieces); a few per client in practice
 _SPLITTERS_MAX = 256
 #: pieces those layouts may cut in all: each costs a ``struct`` code of some 32 bytes, and
@@ -119,6 +131,9 @@ _ORIGIN_STRIDE = 8
 #: lists shorter than this are cut into pieces without looking for runs: as cheap for them
 #: as the probes finding a run's remembered key (measured with 16 keys)
 _RUN_LOOKUP_MIN_KEYS = 32
+#: a LOOKUP's list of new keys this long or longer is handed out as a ``LazyKeys``
+#: (shorter ones are decoded as cheaply as the checks that prove them valid together)
+_LAZY_MIN_KEYS = 32
 
 _BYTE = struct.Struct(">B")
 _U16 = struct.Struct(">H")
@@ -218,9 +233,10 @@ class KeyCache:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def keys_in(self, raw: msgspec.Raw) -> list[ObjectKey]:
+    def keys_in(self, raw: msgspec.Raw, lazy: bool = False) -> Sequence[ObjectKey]:
         """The keys of the msgpack array ``raw``; raises whatever decoding it as a list of
-        keys raises."""
+        keys raises.  ``lazy``: a list of new keys may come as a :class:`LazyKeys` (a
+        LOOKUP's)."""
         total = len(raw)
         tag = (total, _TAIL.unpack_from(raw, total - _TAIL_BYTES)[0]) if total >= _TAIL_BYTES else None
         seen = self._lists.get(tag) if tag is not None else None
@@ -232,12 +248,12 @@ class KeyCache:
             count, start = shape
             if 0 < count <= p.MAX_KEYS_PER_REQUEST and not (total - start) % count:
                 size = (total - start) // count
-                keys = self._equal_pieces(raw, start, count, size)
+                keys = self._equal_pieces(raw, start, count, size, lazy)
                 if keys is not None and total >= _SIZE_NOTED_BYTES and size not in self._sizes:
                     self._note_size(size)  # so that the next such list is cut (_decode_cut)
         if keys is None:
             keys = self.keys_of(_raw_keys_decoder.decode(raw))
-        if tag is not None:
+        if tag is not None and type(keys) is list:  # (new keys not decoded yet are not)
             self._note_list(tag, raw, 0, keys)
         return keys
 
@@ -271,18 +287,21 @@ class KeyCache:
             return False
         return True
 
-    def keys_at(self, header: bytes, at: int, start: int, count: int, size: int) -> list[ObjectKey] | None:
+    def keys_at(
+        self, header: bytes, at: int, start: int, count: int, size: int, lazy: bool = False
+    ) -> Sequence[ObjectKey] | None:
         """The ``count`` keys of the list at ``at`` in ``header``, when they are its
         ``count`` pieces of ``size`` bytes from ``start``, each a whole key (None
-        otherwise: the list is not cut there, and nothing of it was taken)."""
+        otherwise: the list is not cut there, and nothing of it was taken); ``lazy`` as
+        in :meth:`keys_in`."""
         end = start + count * size
         # (a list shorter than _TAIL_BYTES is never remembered: its tag matches none)
         tag = (end - at, header[end - _TAIL_BYTES : end])
         seen = self._lists.get(tag)
         if seen is not None and header.startswith(seen[0], at):  # one memcmp, both as long
             return list(seen[1])
-        keys = self._equal_pieces(header, start, count, size)
-        if keys is not None:
+        keys = self._equal_pieces(header, start, count, size, lazy)
+        if type(keys) is list:
             self._note_list(tag, header, at, keys)
         return keys
 
@@ -322,15 +341,20 @@ class KeyCache:
             sizes[size] = None
 
     def _equal_pieces(
-        self, data: bytes | msgspec.Raw, start: int, count: int, size: int
-    ) -> list[ObjectKey] | None:
+        self, data: bytes | msgspec.Raw, start: int, count: int, size: int, lazy: bool = False
+    ) -> Sequence[ObjectKey] | None:
         """The ``count`` keys of ``size`` bytes each from ``start`` in ``data``, when every
-        such piece is a whole key: one known, or one that decodes with nothing left over."""
+        such piece is a whole key: one known, or one that decodes with nothing left over.
+        ``lazy``: a list whose first key is new may come as a :class:`LazyKeys`."""
         if self._origins and count >= _RUN_LOOKUP_MIN_KEYS:
             runs = self._runs_of_seen_lists(bytes(data), start, size, count)
             if runs is not None:
                 return runs
         pieces = self._splitter(size, count).unpack_from(data, start)
+        if lazy and count >= _LAZY_MIN_KEYS and pieces[0] not in self._keys:
+            deferred = self._lazy_keys(data, start, count, size, pieces)
+            if deferred is not None:
+                return deferred
         keys: list[Any] = list(map(self._keys.get, pieces))
         if not all(keys):  # keys are never false, None is
             # New keys: decoded from the pieces already cut, unless one is not a whole key
@@ -388,7 +412,30 @@ class KeyCache:
                 return keys
         return None
 
-    def keys_of(self, raws: list[msgspec.Raw]) -> list[ObjectKey]:
+    def _lazy_keys(
+        self, data: bytes | msgspec.Raw, start: int, count: int, size: int, pieces: Sequence[bytes]
+    ) -> LazyKeys | None:
+        """``pieces`` (the ``count`` pieces of ``size`` bytes from ``start`` in ``data``) as a
+        :class:`LazyKeys`, when each is the first key's canonical encoding with other bytes
+        in the chunk hash's place only, so that each is a valid key; None otherwise."""
+        try:
+            first = self._decode(pieces[0])
+        except Exception:
+            return None  # not a whole key: decoded the usual way, which says what is wrong
+        # The encoding msgspec gives the first key (the client's, when it is one): then its
+        # hash's bytes end where the encodings of the two fields after it begin.
+        if _KEY_ENCODER(first) != pieces[0]:
+            return None
+        end = size - len(_KEY_ENCODER(first.object_group)) - len(_KEY_ENCODER(first.cache_salt))
+        begin = end - len(first.chunk_hash)
+        if pieces[0][begin:end] != first.chunk_hash:
+            return None
+        rows = np.frombuffer(data, np.uint8, count * size, start).reshape(count, size)
+        if not (rows[:, :begin] == rows[0, :begin]).all() or not (rows[:, end:] == rows[0, end:]).all():
+            return None  # other names, ranks, groups or hash lengths among them
+        return LazyKeys(pieces, first, self.keys_of)
+
+    def keys_of(self, raws: Sequence[bytes | msgspec.Raw]) -> list[ObjectKey]:
         """The keys encoded in ``raws``; raises whatever decoding one of them raises."""
         encoded = list(map(bytes, raws))
         keys: list[Any] = list(map(self._keys.get, encoded))
@@ -492,7 +539,8 @@ _CUT_MIN_BYTES = 2048
 
 
 def decode_request(header: bytes, cache: KeyCache) -> p._Request:
-    """``protocol.request_decoder.decode(header)``, with the keys from ``cache``."""
+    """``protocol.request_decoder.decode(header)``, with the keys from ``cache``; a
+    LOOKUP's list of new keys may be a :class:`~lmcache_tiers.lazy_keys.LazyKeys`."""
     if len(header) >= _CUT_MIN_BYTES:
         request = _decode_cut(header, cache)
         if request is not None:
@@ -502,7 +550,7 @@ def decode_request(header: bytes, cache: KeyCache) -> p._Request:
         twin_of = _REAL.get(type(request))
         if twin_of is None:
             return request  # type: ignore[no-any-return]
-        keys = cache.keys_in(request.keys)
+        keys = cache.keys_in(request.keys, twin_of[0] is p.Lookup)
     except Exception:  # the full decoder says what is wrong, in its own words
         return p.request_decoder.decode(header)
     kind, position = twin_of  # as in _real, inline: most headers are short
@@ -533,13 +581,13 @@ def _decode_cut(header: bytes, cache: KeyCache) -> p._Request | None:
     twin_of = _REAL.get(type(request))
     if twin_of is None or twin_of[1] != 2 or request.keys != _EMPTY_RAW:
         return None  # the list was not where this read it: decoded the usual way
-    keys = cache.keys_at(header, at, start, count, size)
+    keys = cache.keys_at(header, at, start, count, size, twin_of[0] is p.Lookup)
     if keys is None:
         return None
     return _real(request, twin_of, keys)
 
 
-def _real(request: Any, twin_of: tuple[type[p._Request], int], keys: list[ObjectKey]) -> p._Request:
+def _real(request: Any, twin_of: tuple[type[p._Request], int], keys: Sequence[ObjectKey]) -> p._Request:
     """The request of ``twin_of``'s kind that ``request`` (its twin) is, with ``keys``."""
     kind, position = twin_of
     values = list(msgspec.structs.astuple(request))
