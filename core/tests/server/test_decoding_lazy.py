@@ -141,3 +141,10 @@ def test_repeated_keys_in_a_lazy_list_are_counted_once() -> None:
 
 def test_the_threshold_is_what_the_tests_assume() -> None:
     assert decoding._LAZY_MIN_KEYS == 32
+
+
+def test_a_cache_made_without_lazy_lookups_decodes_every_lookup() -> None:
+    """A server with an L2 adapter asks it about every key: its decoder decodes them at once."""
+    keys = prompt(64)
+    decoded = lookup_keys(KeyCache(lazy_lookups=False), keys)
+    assert type(decoded) is list and decoded == keys

@@ -89,6 +89,9 @@ class StorageLike(Protocol):
     @property
     def l1(self) -> Any: ...
 
+    @property
+    def adapters(self) -> Sequence[Any]: ...
+
     def reserve_write(
         self, keys: Sequence[ObjectKey], sizes: Sequence[int], layouts: Sequence[str] | None = None
     ) -> dict[ObjectKey, Any]: ...

@@ -50,7 +50,9 @@ class RpcServer:
         self._token = auth_token.encode() if auth_token else None
         self.max_request_bytes = max_request_bytes
         self.max_frames = handlers.max_keys  # a STORE_INLINE carries a frame per key
-        self._keys = KeyCache()  # the loop thread's: every request is decoded there
+        # The loop thread's: every request is decoded there.  A LOOKUP's new keys are left
+        # undecoded only without an L2 adapter, which would be asked about every one.
+        self._keys = KeyCache(lazy_lookups=not handlers.storage.adapters)
         self._refusals = BurstLog(logger)
         self._expired_reservations = BurstLog(logger, "store_reservation_expired")
         sessions = handlers.sessions
