@@ -148,3 +148,26 @@ def test_a_cache_made_without_lazy_lookups_decodes_every_lookup() -> None:
     keys = prompt(64)
     decoded = lookup_keys(KeyCache(lazy_lookups=False), keys)
     assert type(decoded) is list and decoded == keys
+
+
+@pytest.mark.parametrize("count", [32, 100, 512])  # short and long headers (cut without msgspec)
+def test_a_new_prompt_looked_up_again_is_remembered_undecoded(count: int) -> None:
+    """An engine asks about a waiting prompt at every scheduler step: its list is kept the
+    second time, as any list, and handed out again as the very LazyKeys kept (nothing
+    changes one), instead of being proven valid anew each time (512 keys: ~40 us a step).
+    A request of another kind naming the same list gets a list of its own."""
+    cache = KeyCache()
+    keys = prompt(count)
+    header = p.encode(p.Lookup(1, "", keys))
+    for _ in range(2):  # the size a long header is cut at, learned as any list's
+        decode_request(p.encode(p.Release(1, "", prompt(count, tag=5))), cache)
+    known = len(cache)
+    first, second, third = (decode_request(header, cache).keys for _ in range(3))  # type: ignore[attr-defined]
+    assert all(isinstance(keys, LazyKeys) for keys in (first, second, third))
+    assert third is second, "the list kept the second time"
+    assert len(cache) == known, "no key decoded"
+    released = decode_request(p.encode(p.Release(2, "", keys)), cache).keys  # type: ignore[attr-defined]
+    assert type(released) is list and released == keys
+    again = decode_request(header, cache).keys  # type: ignore[attr-defined]
+    assert again is second and again == keys, "decoded once, kept decoded"
+    assert type(decode_request(p.encode(p.Release(3, "", keys)), cache).keys) is list  # type: ignore[attr-defined]
