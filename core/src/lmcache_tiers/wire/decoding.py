@@ -135,9 +135,10 @@ _ORIGIN_STRIDE = 8
 #: lists shorter than this are cut into pieces without looking for runs: as cheap for them
 #: as the probes finding a run's remembered key (measured with 16 keys)
 _RUN_LOOKUP_MIN_KEYS = 32
-#: a LOOKUP's list of new keys this long or longer is handed out as a ``LazyKeys``
-#: (shorter ones are decoded as cheaply as the checks that prove them valid together)
-_LAZY_MIN_KEYS = 32
+#: a LOOKUP's list of new keys this long or longer is handed out as a ``LazyKeys``: shorter
+#: ones are decoded about as cheaply as the checks that prove them valid together (decoded
+#: and deduplicated in process: 8 keys 8.0 us either way, 16 keys 8.8 us against 12.1)
+_LAZY_MIN_KEYS = 16
 
 _BYTE = struct.Struct(">B")
 _U16 = struct.Struct(">H")
