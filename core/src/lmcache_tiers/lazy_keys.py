@@ -3,11 +3,12 @@
 A LOOKUP answers the longest cached prefix of its keys, and a prompt nobody stored misses
 at its first key: with no L2 adapter, no key past the first is ever looked at.  Decoding
 and remembering each of the others (an ``ObjectKey`` built and validated per key) was
-then nearly all the cost of looking up a new prompt.  The server's decoder
-(:mod:`lmcache_tiers.wire.decoding`) hands out a :class:`LazyKeys` for such a list instead,
-once it has proven every key in it valid at once: every piece of the list equals the first
-key's canonical encoding except in the bytes of its chunk hash, so each decodes to the
-first key with another hash of the same length -- a valid key.
+then nearly all the cost of looking up a new prompt.  The decoder of a server without L2
+adapters (:mod:`lmcache_tiers.wire.decoding`; with one, every key a lookup misses in L1 is
+asked about) hands out a :class:`LazyKeys` for such a list instead, once it has proven
+every key in it valid at once: every piece of the list equals the first key's canonical
+encoding except in the bytes of its chunk hash, so each decodes to the first key with
+another hash of the same length -- a valid key.
 
 Only the first key is decoded up front.  Anything else -- another index, a slice beyond
 it, iteration, membership -- decodes the whole list through the decoder's key cache, as a
@@ -84,7 +85,8 @@ class LazyKeys(Sequence[ObjectKey]):
         return f"LazyKeys({len(self._pieces)} keys, first {self._first!r})"
 
     def decoded(self) -> list[ObjectKey]:
-        """Every key, in order (decoded now if not yet)."""
+        """Every key, in order (decoded now if not yet): the list this keeps, not to be
+        changed (the decoder hands one ``LazyKeys`` to every LOOKUP of a list it kept)."""
         if self._decoded is None:
             self._decoded = self._decode_all(self._pieces)
         return self._decoded
