@@ -29,7 +29,7 @@ class LazyKeys(Sequence[ObjectKey]):
     """The keys encoded in ``pieces`` (one key's msgpack each, every one proven valid),
     of which ``first`` is the first, decoded; ``decode_all`` decodes all of them."""
 
-    __slots__ = ("_decode_all", "_decoded", "_first", "_pieces")
+    __slots__ = ("_decode_all", "_decoded", "_distinct", "_first", "_pieces")
 
     def __init__(
         self,
@@ -41,6 +41,7 @@ class LazyKeys(Sequence[ObjectKey]):
         self._first = first
         self._decode_all = decode_all
         self._decoded: list[ObjectKey] | None = None
+        self._distinct: bool | None = None  # all_distinct's answer, once asked
 
     def __len__(self) -> int:
         return len(self._pieces)
@@ -93,5 +94,8 @@ class LazyKeys(Sequence[ObjectKey]):
 
     def all_distinct(self) -> bool:
         """Whether no key is repeated, without decoding them: keys of one list of this kind
-        are equal exactly when their encodings are (they differ only in their hashes)."""
-        return len(set(self._pieces)) == len(self._pieces)
+        are equal exactly when their encodings are (they differ only in their hashes).
+        Worked out once: a list the decoder kept is asked again by every LOOKUP of it."""
+        if self._distinct is None:
+            self._distinct = len(set(self._pieces)) == len(self._pieces)
+        return self._distinct

@@ -166,6 +166,8 @@ def test_a_new_prompt_looked_up_again_is_remembered_undecoded(count: int) -> Non
     assert all(isinstance(keys, LazyKeys) for keys in (first, second, third))
     assert third is second, "the list kept the second time"
     assert len(cache) == known, "no key decoded"
+    assert unique_length(second, 0) == count
+    assert third._distinct is True, "its distinct keys counted once for every LOOKUP of it"
     released = decode_request(p.encode(p.Release(2, "", keys)), cache).keys  # type: ignore[attr-defined]
     assert type(released) is list and released == keys
     again = decode_request(header, cache).keys  # type: ignore[attr-defined]
