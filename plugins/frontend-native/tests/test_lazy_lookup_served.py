@@ -1,6 +1,8 @@
 """A served LOOKUP of a new prompt leaves its keys undecoded (``LazyKeys``) only where a miss
-at the first key needs no other: with an L2 adapter every key of a lookup that misses in L1
-is asked about, so proving the list valid as a whole would only be paid for on top."""
+at the first key needs no other: without L2 adapters, or with adapters that all answer
+lookups at once (asked about that key alone first).  An adapter answering only on its
+worker is asked about every key of a lookup that misses in L1, so proving the list valid
+as a whole would only be paid for on top."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ from lmcache_tiers.lazy_keys import LazyKeys
 from lmcache_tiers.server.app import TiersServer
 
 Factory = Callable[..., TiersServer]
-MOCK = '{"type": "mock", "max_size_gb": 0.1}'
+MOCK = '{"type": "mock", "max_size_gb": 0.1}'  # answers lookups at once (from memory)
+#: the same behind fault_inject (no faults), which answers lookups on its worker only
+WORKER_ONLY = '{"type": "fault_inject", "rate": 0.0, "inner": {"type": "mock", "max_size_gb": 0.1}}'
 COUNT = 64  # past the decoder's threshold for undecoded lists
 
 
@@ -33,7 +37,11 @@ def lookups_seen(server: TiersServer, monkeypatch: pytest.MonkeyPatch) -> list[t
     return seen
 
 
-@pytest.mark.parametrize(("adapters", "kind"), [([], LazyKeys), ([MOCK], list)], ids=["l1-only", "with-l2"])
+@pytest.mark.parametrize(
+    ("adapters", "kind"),
+    [([], LazyKeys), ([MOCK], LazyKeys), ([MOCK, WORKER_ONLY], list)],
+    ids=["l1-only", "answering-at-once", "one-answering-on-its-worker"],
+)
 def test_a_new_prompt_is_decoded_only_when_an_l2_will_ask_for_every_key(
     make_server: Factory, monkeypatch: pytest.MonkeyPatch, adapters: list[str], kind: type
 ) -> None:

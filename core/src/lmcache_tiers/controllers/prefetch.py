@@ -58,6 +58,11 @@ __all__ = ["PrefetchController", "unique_prefix"]
 
 logger = logging.getLogger(__name__)
 
+#: a lookup with this many keys or more past L1's prefix first asks the adapters about the
+#: first of them alone (``_missing_everywhere_now``): a new prompt misses there, and the
+#: other keys are never asked about; a prompt that hits pays that one key's lookup twice
+PROBE_MIN_KEYS = 8
+
 
 class PrefetchController(ControllerThread):
     """Thread that runs prefetch requests, at most ``max_in_flight`` at a time."""
@@ -141,8 +146,11 @@ class PrefetchController(ControllerThread):
             # distinct).
             self.stats.add_lookup(l1_hits, l1_hits)
             return handle, locked
-        if not self.slots:
-            # Settled too: only the number of unique keys is counted, not a list of them.
+        if not self.slots or (
+            len(keys) - l1_hits >= PROBE_MIN_KEYS and self._missing_everywhere_now(keys[l1_hits])
+        ):
+            # Settled too (no adapter, or none holds the first key past L1's prefix, where
+            # the prefix then ends): only the number of unique keys is counted.
             self.stats.add_lookup(unique_length(keys, l1_hits), l1_hits)
             return handle, locked
         unique = unique_prefix(keys)
@@ -166,6 +174,37 @@ class PrefetchController(ControllerThread):
         self.wake()
         return handle, None
 
+    def _missing_everywhere_now(self, key: ObjectKey) -> bool:
+        """Whether every adapter answers at once (``lookup_and_lock_now``) that it does not
+        hold ``key``, the first key past L1's prefix: no prefix goes past a key no tier
+        holds, so a new prompt's lookup asks about that key alone instead of every key
+        (each pinned, asked and unpinned: some 2 us a key with the fs adapter), and leaves
+        a lookup's keys undecoded (``LazyKeys``).  A hit is unpinned at once: the lookup
+        of every key that follows asks again."""
+        for slot in self.slots:
+            result = self._ask_now(slot, [key])
+            if result is None:
+                return False
+            if not self._well_formed(slot, [key], result):
+                return False  # (unpinned and counted there)
+            if result.found[0]:
+                self._locks.unpin_slot(slot, [key])
+                return False
+        return True
+
+    def _ask_now(self, slot: AdapterSlot, keys: list[ObjectKey]) -> LookupResult | None:
+        """``slot``'s ``lookup_and_lock_now`` of ``keys``: None when it cannot answer now or
+        failed (counted and logged)."""
+        try:
+            result = slot.adapter.lookup_and_lock_now(keys)
+        except Exception as exc:
+            self.stats.fail("l2_lookup_now_error")
+            self._adapter_failed("l2_lookup_now_error", slot, "lookup could not be answered at once", exc)
+            return None
+        if result is not None:
+            self.stats.add_adapter(slot.index, "lookups")
+        return result
+
     def _look_up_now(self, request: PrefetchRequest) -> bool:
         """Ask every adapter that can answer from memory (``lookup_and_lock_now``) on this
         thread, recording their answers in ``request`` as the controller would; True
@@ -178,16 +217,10 @@ class PrefetchController(ControllerThread):
         request.remaining = request.keys[request.l1_hits :]
         answered = 0
         for slot in self.slots:
-            try:
-                result = slot.adapter.lookup_and_lock_now(request.remaining)
-            except Exception as exc:
-                self.stats.fail("l2_lookup_now_error")
-                self._adapter_failed("l2_lookup_now_error", slot, "lookup could not be answered at once", exc)
-                continue
+            result = self._ask_now(slot, request.remaining)
             if result is None:
                 continue
             answered += 1
-            self.stats.add_adapter(slot.index, "lookups")
             self._record_lookup(slot, request, result)
         return answered == len(self.slots)
 
@@ -312,19 +345,19 @@ class PrefetchController(ControllerThread):
     def _record_lookup(self, slot: AdapterSlot, request: PrefetchRequest, result: LookupResult) -> None:
         """Keep one adapter's answer for ``request.remaining``, and the pins it took."""
         count = len(request.remaining)
-        if not self._well_formed(slot, request, result):
+        if not self._well_formed(slot, request.remaining, result):
             result = LookupResult([False] * count, [0] * count)
         request.found[slot.index] = result
         hits = [key for key, hit in zip(request.remaining, result.found, strict=True) if hit]
         request.pinned[slot.index] = hits
         self.stats.add_adapter(slot.index, "keys_found", len(hits))
 
-    def _well_formed(self, slot: AdapterSlot, request: PrefetchRequest, result: LookupResult) -> bool:
-        """Whether ``result`` answers for exactly ``request.remaining``.  One that does not
+    def _well_formed(self, slot: AdapterSlot, keys: Sequence[ObjectKey], result: LookupResult) -> bool:
+        """Whether ``result`` answers for exactly ``keys`` (those asked about).  One that does not
         is an L2 miss; the hits it reports were pinned all the same (the caller unlocks
         every key reported found), and nothing else would ever unlock them: unpinned here,
         counted and logged."""
-        count = len(request.remaining)
+        count = len(keys)
         try:
             if len(result.found) == count and len(result.sizes) == count:
                 return True
@@ -333,7 +366,7 @@ class PrefetchController(ControllerThread):
         try:
             # Apart from the check: flags that are right beside sizes that are not (None,
             # missing) still name the keys the adapter pinned.
-            reported = [key for key, hit in zip(request.remaining, result.found, strict=False) if hit]
+            reported = [key for key, hit in zip(keys, result.found, strict=False) if hit]
         except (AttributeError, TypeError):
             reported = []
         self.stats.fail("l2_lookup_bad_result")
@@ -650,7 +683,7 @@ class PrefetchController(ControllerThread):
         self, slot: AdapterSlot, request: PrefetchRequest, result: LookupResult
     ) -> None:
         # The abandoned request will not load them: drop the pins the lookup took.
-        if self._well_formed(slot, request, result):
+        if self._well_formed(slot, request.remaining, result):
             hits = [key for key, hit in zip(request.remaining, result.found, strict=True) if hit]
             self._locks.unpin_slot(slot, hits)
 

@@ -175,6 +175,10 @@ class BackendAdapter(L2Adapter):
     def pop_completed_lookups(self) -> dict[int, LookupResult]:
         return self.state.board.pop(L2Op.LOOKUP)
 
+    @property
+    def answers_lookups_now(self) -> bool:
+        return self._contains_now is not None
+
     def lookup_and_lock_now(self, keys: Sequence[ObjectKey]) -> LookupResult | None:
         """The lookup run here, on the caller's thread, when the backend answers it from
         memory (``contains_many_now``); None otherwise, with nothing held or counted.

@@ -110,6 +110,14 @@ class L2Adapter(ABC):
     needs_l1_buffers: bool = True
 
     @property
+    def answers_lookups_now(self) -> bool:
+        """Whether ``lookup_and_lock_now`` can answer (from memory) rather than always
+        saying None.  A front end decodes a lookup's keys lazily only when every adapter
+        can: then a new prompt's lookup asks them about its first key alone.  False by
+        default."""
+        return False
+
+    @property
     def circuit_open(self) -> bool:
         """Whether every call is refused now without reaching the backend (its circuit
         breaker open).  Read-only and cheap: L2 eviction asks before each cycle and before

@@ -51,8 +51,13 @@ class RpcServer:
         self.max_request_bytes = max_request_bytes
         self.max_frames = handlers.max_keys  # a STORE_INLINE carries a frame per key
         # The loop thread's: every request is decoded there.  A LOOKUP's new keys are left
-        # undecoded only without an L2 adapter, which would be asked about every one.
-        self._keys = KeyCache(lazy_lookups=not handlers.storage.adapters)
+        # undecoded only where a miss at the first key is found without asking about the
+        # others: no L2 adapter, or every one answering lookups at once (from memory), as
+        # the prefetch controller then asks about that key alone.  An adapter that cannot
+        # would be asked about every key, and the list proven valid on top of decoding it.
+        self._keys = KeyCache(
+            lazy_lookups=all(adapter.answers_lookups_now for adapter in handlers.storage.adapters)
+        )
         self._refusals = BurstLog(logger)
         self._expired_reservations = BurstLog(logger, "store_reservation_expired")
         sessions = handlers.sessions
