@@ -146,8 +146,11 @@ class PrefetchController(ControllerThread):
             # distinct).
             self.stats.add_lookup(l1_hits, l1_hits)
             return handle, locked
+        # Adapters whose answer to the first question (``_missing_everywhere_now``) failed:
+        # not asked again at once about the whole lookup (see ``_look_up_now``).
+        failed: dict[int, LookupResult | None] = {}
         if not self.slots or (
-            len(keys) - l1_hits >= PROBE_MIN_KEYS and self._missing_everywhere_now(keys[l1_hits])
+            len(keys) - l1_hits >= PROBE_MIN_KEYS and self._missing_everywhere_now(keys[l1_hits], failed)
         ):
             # Settled too (no adapter, or none holds the first key past L1's prefix, where
             # the prefix then ends): only the number of unique keys is counted.
@@ -166,7 +169,7 @@ class PrefetchController(ControllerThread):
         )
         until = started + self._handles.result_ttl_s
         request = PrefetchRequest(handle, unique, readers, l1_hits, until, self.l1.lock_deadline(started))
-        if self._look_up_now(request) and not any(request.pinned.values()):
+        if self._look_up_now(request, failed) and not any(request.pinned.values()):
             return handle, locked  # every adapter answered at once, and nothing was found
         if not self._handles.enqueue(request):  # shutting down
             self._locks.release_pins(request)
@@ -174,19 +177,30 @@ class PrefetchController(ControllerThread):
         self.wake()
         return handle, None
 
-    def _missing_everywhere_now(self, key: ObjectKey) -> bool:
+    def _missing_everywhere_now(self, key: ObjectKey, failed: dict[int, LookupResult | None]) -> bool:
         """Whether every adapter answers at once (``lookup_and_lock_now``) that it does not
         hold ``key``, the first key past L1's prefix: no prefix goes past a key no tier
         holds, so a new prompt's lookup asks about that key alone instead of every key
         (each pinned, asked and unpinned: some 2 us a key with the fs adapter), and leaves
         a lookup's keys undecoded (``LazyKeys``).  A hit is unpinned at once: the lookup
-        of every key that follows asks again."""
+        of every key that follows asks again.
+
+        An adapter that raised (None in ``failed``) or answered malformed (an empty
+        answer in ``failed``, to be taken as a miss of every key) is not asked again at
+        once: it failed this lookup's one question, counted once, as it was before."""
         for slot in self.slots:
-            result = self._ask_now(slot, [key])
+            try:
+                result = slot.adapter.lookup_and_lock_now([key])
+            except Exception as exc:
+                self._now_failed(slot, exc)
+                failed[slot.index] = None
+                return False
             if result is None:
                 return False
+            self.stats.add_adapter(slot.index, "lookups")
             if not self._well_formed(slot, [key], result):
-                return False  # (unpinned and counted there)
+                failed[slot.index] = LookupResult([], [])  # (unpinned and counted there)
+                return False
             if result.found[0]:
                 self._locks.unpin_slot(slot, [key])
                 return False
@@ -198,17 +212,21 @@ class PrefetchController(ControllerThread):
         try:
             result = slot.adapter.lookup_and_lock_now(keys)
         except Exception as exc:
-            self.stats.fail("l2_lookup_now_error")
-            self._adapter_failed("l2_lookup_now_error", slot, "lookup could not be answered at once", exc)
+            self._now_failed(slot, exc)
             return None
         if result is not None:
             self.stats.add_adapter(slot.index, "lookups")
         return result
 
-    def _look_up_now(self, request: PrefetchRequest) -> bool:
+    def _now_failed(self, slot: AdapterSlot, exc: Exception) -> None:
+        self.stats.fail("l2_lookup_now_error")
+        self._adapter_failed("l2_lookup_now_error", slot, "lookup could not be answered at once", exc)
+
+    def _look_up_now(self, request: PrefetchRequest, failed: dict[int, LookupResult | None]) -> bool:
         """Ask every adapter that can answer from memory (``lookup_and_lock_now``) on this
         thread, recording their answers in ``request`` as the controller would; True
-        when every adapter answered.
+        when every adapter answered.  Those in ``failed`` are not asked: one that raised
+        is left to the controller, one that answered malformed is a miss of every key.
 
         Only a request whose answer is a miss everywhere is settled here; one with hits
         still goes to the controller thread, which plans and loads them without asking
@@ -217,7 +235,13 @@ class PrefetchController(ControllerThread):
         request.remaining = request.keys[request.l1_hits :]
         answered = 0
         for slot in self.slots:
-            result = self._ask_now(slot, request.remaining)
+            if slot.index in failed:
+                result = failed[slot.index]
+                if result is not None:  # malformed, counted: nothing pinned
+                    count = len(request.remaining)
+                    result = LookupResult([False] * count, [0] * count)
+            else:
+                result = self._ask_now(slot, request.remaining)
             if result is None:
                 continue
             answered += 1

@@ -1,0 +1,75 @@
+"""The first question of a long lookup (``PROBE_MIN_KEYS``) is one question: an adapter
+that raised on it or answered it malformed is not asked again at once about the whole
+lookup, so each such lookup counts one failure, as before there was a first question, and
+leaves nothing pinned."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from engine_support import keys_of, mock, store
+
+from lmcache_tiers.controllers.prefetch import PROBE_MIN_KEYS
+from lmcache_tiers.l2.interface import LookupResult
+from lmcache_tiers.storage import StorageManager
+
+Engine = Callable[..., StorageManager]
+SIZE = 16 * 1024
+COUNT = 2 * PROBE_MIN_KEYS
+
+
+def assert_nothing_held(storage: StorageManager) -> None:
+    assert all(adapter.pinned_keys() == {} for adapter in storage.adapters)
+    stats = storage.l1.stats()
+    assert (stats.write_locked, stats.read_locks) == (0, 0)
+
+
+def failures(storage: StorageManager, reason: str) -> int:
+    return int(storage.status()["failures"].get(reason, 0))
+
+
+@pytest.mark.parametrize("stored", [0, 3], ids=["new-prompt", "first-keys-in-l2"])
+def test_an_adapter_raising_at_once_counts_one_failure_a_lookup(engine: Engine, stored: int) -> None:
+    storage = engine([mock()])
+    prompt = keys_of(41, COUNT)
+    store(storage, prompt[:stored], SIZE)
+    assert storage.flush(10)
+    storage.clear()
+    calls: list[int] = []
+
+    def raising(keys: object) -> LookupResult | None:
+        calls.append(1)
+        raise RuntimeError("lookup_and_lock_now broke")
+
+    storage.adapters[0].lookup_and_lock_now = raising  # type: ignore[method-assign]
+    assert storage.wait_prefetch(storage.submit_prefetch(prompt), 10) == stored
+    assert len(calls) == 1, "asked once at once; the controller's submitted lookup answers"
+    assert failures(storage, "l2_lookup_now_error") == 1
+    storage.release(prompt[:stored])
+    assert_nothing_held(storage)
+
+
+@pytest.mark.parametrize("stored", [0, 3], ids=["new-prompt", "first-keys-in-l2"])
+def test_a_malformed_first_answer_counts_one_failure_a_lookup(engine: Engine, stored: int) -> None:
+    storage = engine([mock()])
+    prompt = keys_of(42, COUNT)
+    store(storage, prompt[:stored], SIZE)
+    assert storage.flush(10)
+    storage.clear()
+    l2 = storage.adapters[0]
+    look_up_now = l2.lookup_and_lock_now
+    calls: list[int] = []
+
+    def malformed(keys: list[object]) -> LookupResult | None:
+        calls.append(len(keys))
+        result = look_up_now(keys)  # type: ignore[arg-type]
+        assert result is not None
+        return LookupResult([*result.found, False], [*result.sizes, 0])  # one flag too many
+
+    l2.lookup_and_lock_now = malformed  # type: ignore[method-assign]
+    # A malformed answer is a miss for the whole lookup, as it was before the first question.
+    assert storage.wait_prefetch(storage.submit_prefetch(prompt), 10) == 0
+    assert calls == [1], "the adapter is not asked again about the whole lookup"
+    assert failures(storage, "l2_lookup_bad_result") == 1
+    assert_nothing_held(storage)
