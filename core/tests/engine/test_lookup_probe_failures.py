@@ -1,7 +1,8 @@
 """The first question of a long lookup (``PROBE_MIN_KEYS``) is one question: an adapter
 that raised on it or answered it malformed is not asked again at once about the whole
 lookup, so each such lookup counts one failure, as before there was a first question, and
-leaves nothing pinned."""
+leaves nothing pinned; a key repeated right where L1's prefix ends leaves nothing for L2,
+so no adapter is asked about it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ from lmcache_tiers.storage import StorageManager
 Engine = Callable[..., StorageManager]
 SIZE = 16 * 1024
 COUNT = 2 * PROBE_MIN_KEYS
+
+
+def asked(storage: StorageManager, index: int = 0) -> int:
+    """Keys adapter ``index`` answered lookups about."""
+    stats = storage.adapters[index].stats()
+    return int(stats.get("lookup_hits", 0) + stats.get("lookup_misses", 0))
 
 
 def assert_nothing_held(storage: StorageManager) -> None:
@@ -72,4 +79,17 @@ def test_a_malformed_first_answer_counts_one_failure_a_lookup(engine: Engine, st
     assert storage.wait_prefetch(storage.submit_prefetch(prompt), 10) == 0
     assert calls == [1], "the adapter is not asked again about the whole lookup"
     assert failures(storage, "l2_lookup_bad_result") == 1
+    assert_nothing_held(storage)
+
+
+def test_a_repeat_right_past_l1_s_prefix_asks_no_adapter(engine: Engine) -> None:
+    storage = engine([mock()])
+    prompt = keys_of(43, 4)
+    store(storage, prompt, SIZE)
+    assert storage.flush(10)  # in L2 too: a question about the repeat would find it
+    before = asked(storage)
+    _, locked = storage.start_prefetch(prompt * PROBE_MIN_KEYS)
+    assert locked == prompt
+    assert asked(storage) == before, "the prefix ends at the repeat: nothing is left for L2"
+    storage.release(locked)
     assert_nothing_held(storage)

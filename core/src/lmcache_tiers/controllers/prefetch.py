@@ -149,13 +149,15 @@ class PrefetchController(ControllerThread):
         # Adapters whose answer to the first question (``_missing_everywhere_now``) failed:
         # not asked again at once about the whole lookup (see ``_look_up_now``).
         failed: dict[int, LookupResult | None] = {}
-        if not self.slots or (
-            len(keys) - l1_hits >= PROBE_MIN_KEYS and self._missing_everywhere_now(keys[l1_hits], failed)
-        ):
-            # Settled too (no adapter, or none holds the first key past L1's prefix, where
-            # the prefix then ends): only the number of unique keys is counted.
-            self.stats.add_lookup(unique_length(keys, l1_hits), l1_hits)
-            return handle, locked
+        if not self.slots or len(keys) - l1_hits >= PROBE_MIN_KEYS:
+            distinct = unique_length(keys, l1_hits)
+            # Settled too: no adapter; a repeat where L1's prefix ends (nothing is left for
+            # L2, so no adapter is asked about it); or no adapter holds the first key past
+            # L1's prefix, where the prefix then ends.  Only the number of unique keys is
+            # counted.
+            if not self.slots or distinct == l1_hits or self._missing_everywhere_now(keys[l1_hits], failed):
+                self.stats.add_lookup(distinct, l1_hits)
+                return handle, locked
         unique = unique_prefix(keys)
         remaining = len(unique) - l1_hits
         self.stats.add_lookup(len(unique), l1_hits)
