@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from engine_support import keys_of, mock, store
+from engine_support import GatedConfig, gated_backend, keys_of, mock, parked_prefetch, payload, store
 
+from lmcache_tiers.config import AdapterSpec
 from lmcache_tiers.controllers.prefetch import PROBE_MIN_KEYS
 from lmcache_tiers.l2.interface import LookupResult
 from lmcache_tiers.storage import StorageManager
@@ -92,4 +93,27 @@ def test_a_repeat_right_past_l1_s_prefix_asks_no_adapter(engine: Engine) -> None
     assert locked == prompt
     assert asked(storage) == before, "the prefix ends at the repeat: nothing is left for L2"
     storage.release(locked)
+    assert_nothing_held(storage)
+
+
+def test_a_key_being_written_in_l1_right_past_its_prefix_does_not_end_the_lookup(engine: Engine) -> None:
+    # Its writer may commit it before the request starts, extending the L1 prefix (as it
+    # does for any request queued): the keys after it in L2 are then loaded as before.
+    storage = engine([AdapterSpec(type="gated_now", config=GatedConfig())], l2_prefetch_max_in_flight=1)
+    backend = gated_backend(storage)
+    prompt = keys_of(45, COUNT)
+    store(storage, prompt[1:], SIZE)
+    parked = parked_prefetch(storage, keys_of(44, 1), SIZE)  # holds the one slot
+    writing = storage.reserve_write(prompt[:1], [SIZE])  # in L1, not READY, not in L2
+    handle, locked = storage.start_prefetch(prompt)
+    assert locked is None, "queued behind the parked prefetch, not settled at the key being written"
+    storage.view(writing[prompt[0]])[:] = payload(prompt[0], SIZE)
+    storage.commit_write(prompt[:1])
+    backend.gate.set()
+    assert storage.wait_prefetch(parked, 10) == 1
+    storage.release(keys_of(44, 1))
+    assert storage.wait_prefetch(handle, 10) == COUNT
+    objects = storage.read(prompt)
+    assert [bytes(storage.view(obj)) for obj in objects] == [payload(key, SIZE) for key in prompt]
+    storage.release(prompt, 2)
     assert_nothing_held(storage)

@@ -153,9 +153,17 @@ class PrefetchController(ControllerThread):
             distinct = unique_length(keys, l1_hits)
             # Settled too: no adapter; a repeat where L1's prefix ends (nothing is left for
             # L2, so no adapter is asked about it); or no adapter holds the first key past
-            # L1's prefix, where the prefix then ends.  Only the number of unique keys is
-            # counted.
-            if not self.slots or distinct == l1_hits or self._missing_everywhere_now(keys[l1_hits], failed):
+            # L1's prefix, where the prefix then ends -- unless L1 holds it, not READY yet:
+            # committed before the request starts, it extends the L1 prefix (``_start``).
+            # Only the number of unique keys is counted.
+            if (
+                not self.slots
+                or distinct == l1_hits
+                or (
+                    not self.l1.contains(keys[l1_hits])
+                    and self._missing_everywhere_now(keys[l1_hits], failed)
+                )
+            ):
                 self.stats.add_lookup(distinct, l1_hits)
                 return handle, locked
         unique = unique_prefix(keys)
