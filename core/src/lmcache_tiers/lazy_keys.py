@@ -1,14 +1,15 @@
 """A LOOKUP's key list whose keys are decoded only when something asks for them.
 
 A LOOKUP answers the longest cached prefix of its keys, and a prompt nobody stored misses
-at its first key: with no L2 adapter, no key past the first is ever looked at.  Decoding
-and remembering each of the others (an ``ObjectKey`` built and validated per key) was
-then nearly all the cost of looking up a new prompt.  The decoder of a server without L2
-adapters (:mod:`lmcache_tiers.wire.decoding`; with one, every key a lookup misses in L1 is
-asked about) hands out a :class:`LazyKeys` for such a list instead, once it has proven
-every key in it valid at once: every piece of the list equals the first key's canonical
-encoding except in the bytes of its chunk hash, so each decodes to the first key with
-another hash of the same length -- a valid key.
+at its first key: with no L2 adapter, or adapters that all answer lookups at once (asked
+about that key alone first), no key past the first is ever looked at.  Decoding and
+remembering each of the others (an ``ObjectKey`` built and validated per key) was then
+nearly all the cost of looking up a new prompt.  The decoder of such a server
+(:mod:`lmcache_tiers.wire.decoding`; with an adapter answering only on its worker, every
+key a lookup misses in L1 is asked about) hands out a :class:`LazyKeys` for such a list
+instead, once it has proven every key in it valid at once: every piece of the list equals
+the first key's canonical encoding except in the bytes of its chunk hash, so each decodes
+to the first key with another hash of the same length -- a valid key.
 
 Only the first key is decoded up front.  Anything else -- another index, a slice beyond
 it, iteration, membership -- decodes the whole list through the decoder's key cache, as a

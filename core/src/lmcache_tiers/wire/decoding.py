@@ -66,8 +66,9 @@ a copy of every list costs a lookup of a new prefix more than the repeats save.
 
 A LOOKUP's list of new keys (:data:`_LAZY_MIN_KEYS` or more, its first key not known) is
 not decoded key by key by a cache made with ``lazy_lookups`` (a server's without L2
-adapters): a new prompt misses at its first key, and no other is looked at unless
-something needs them (a hit in L1; an L2 adapter would need every one).  The list is
+adapters, or whose adapters all answer lookups at once): a new prompt misses at its first
+key, and no other is looked at unless something needs them (a hit in L1 or L2; an L2
+adapter answering only on its worker would need every one).  The list is
 proven valid as a whole -- every piece equal to the first key's canonical encoding outside
 the bytes of its chunk hash, so each is that key with another hash of the same length --
 and handed out as a :class:`~lmcache_tiers.lazy_keys.LazyKeys`, which decodes them all
@@ -221,7 +222,8 @@ class KeyCache:
 
     ``lazy_lookups``: a LOOKUP's list of new keys may come as a :class:`LazyKeys`.  Only
     worth it where a miss at the first key looks at no other: a server with an L2 adapter
-    asks it about every key L1 misses, and then proving the list valid as a whole costs on
+    that answers lookups only on its worker (``L2Adapter.answers_lookups_now`` False) asks
+    it about every key L1 misses, and then proving the list valid as a whole costs on
     top of decoding it (a LOOKUP of 32 new keys decoded and deduplicated in process: 36 us
     instead of 26; of 512: 333 us instead of 268).
     """
