@@ -1,19 +1,35 @@
 """A lookup of 8 keys or more past L1's prefix asks the adapters about the first of them
 alone first: where none holds it (a new prompt) the prefix ends there and no other key is
 asked about; where one does, or one cannot answer at once, the whole lookup goes on as
-before, and every pin the first question took is given back."""
+before, and every pin the first question took is given back.  An adapter that raised on
+that question or answered it malformed is not asked again at once (one failure counted a
+lookup); a key repeated right where L1's prefix ends is not asked about, and one L1 holds
+not READY yet does not end the lookup there."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine_support import keys_of, mock, payload, store, store_in_l2_only
+import pytest
+from engine_support import (
+    GatedConfig,
+    gated_backend,
+    keys_of,
+    mock,
+    parked_prefetch,
+    payload,
+    store,
+    store_in_l2_only,
+)
 
+from lmcache_tiers.config import AdapterSpec
 from lmcache_tiers.controllers.prefetch import PROBE_MIN_KEYS
+from lmcache_tiers.l2.interface import LookupResult
 from lmcache_tiers.storage import StorageManager
 
 Engine = Callable[..., StorageManager]
 SIZE = 16 * 1024
+COUNT = 2 * PROBE_MIN_KEYS
 
 
 def asked(storage: StorageManager, index: int = 0) -> int:
@@ -82,4 +98,90 @@ def test_a_repeat_where_l1_s_prefix_ends_keeps_that_prefix(engine: Engine) -> No
     _, locked = storage.start_prefetch(prompt + prompt * 3)
     assert locked == prompt
     storage.release(locked)
+    assert_nothing_held(storage)
+
+
+def failures(storage: StorageManager, reason: str) -> int:
+    return int(storage.status()["failures"].get(reason, 0))
+
+
+@pytest.mark.parametrize("stored", [0, 3], ids=["new-prompt", "first-keys-in-l2"])
+def test_an_adapter_raising_at_once_counts_one_failure_a_lookup(engine: Engine, stored: int) -> None:
+    storage = engine([mock()])
+    prompt = keys_of(41, COUNT)
+    store(storage, prompt[:stored], SIZE)
+    assert storage.flush(10)
+    storage.clear()
+    calls: list[int] = []
+
+    def raising(keys: object) -> LookupResult | None:
+        calls.append(1)
+        raise RuntimeError("lookup_and_lock_now broke")
+
+    storage.adapters[0].lookup_and_lock_now = raising  # type: ignore[method-assign]
+    assert storage.wait_prefetch(storage.submit_prefetch(prompt), 10) == stored
+    assert len(calls) == 1, "asked once at once; the controller's submitted lookup answers"
+    assert failures(storage, "l2_lookup_now_error") == 1
+    storage.release(prompt[:stored])
+    assert_nothing_held(storage)
+
+
+@pytest.mark.parametrize("stored", [0, 3], ids=["new-prompt", "first-keys-in-l2"])
+def test_a_malformed_first_answer_counts_one_failure_a_lookup(engine: Engine, stored: int) -> None:
+    storage = engine([mock()])
+    prompt = keys_of(42, COUNT)
+    store(storage, prompt[:stored], SIZE)
+    assert storage.flush(10)
+    storage.clear()
+    l2 = storage.adapters[0]
+    look_up_now = l2.lookup_and_lock_now
+    calls: list[int] = []
+
+    def malformed(keys: list[object]) -> LookupResult | None:
+        calls.append(len(keys))
+        result = look_up_now(keys)  # type: ignore[arg-type]
+        assert result is not None
+        return LookupResult([*result.found, False], [*result.sizes, 0])  # one flag too many
+
+    l2.lookup_and_lock_now = malformed  # type: ignore[method-assign]
+    # A malformed answer is a miss for the whole lookup, as it was before the first question.
+    assert storage.wait_prefetch(storage.submit_prefetch(prompt), 10) == 0
+    assert calls == [1], "the adapter is not asked again about the whole lookup"
+    assert failures(storage, "l2_lookup_bad_result") == 1
+    assert_nothing_held(storage)
+
+
+def test_a_repeat_right_past_l1_s_prefix_asks_no_adapter(engine: Engine) -> None:
+    storage = engine([mock()])
+    prompt = keys_of(43, 4)
+    store(storage, prompt, SIZE)
+    assert storage.flush(10)  # in L2 too: a question about the repeat would find it
+    before = asked(storage)
+    _, locked = storage.start_prefetch(prompt * PROBE_MIN_KEYS)
+    assert locked == prompt
+    assert asked(storage) == before, "the prefix ends at the repeat: nothing is left for L2"
+    storage.release(locked)
+    assert_nothing_held(storage)
+
+
+def test_a_key_being_written_in_l1_right_past_its_prefix_does_not_end_the_lookup(engine: Engine) -> None:
+    # Its writer may commit it before the request starts, extending the L1 prefix (as it
+    # does for any request queued): the keys after it in L2 are then loaded as before.
+    storage = engine([AdapterSpec(type="gated_now", config=GatedConfig())], l2_prefetch_max_in_flight=1)
+    backend = gated_backend(storage)
+    prompt = keys_of(45, COUNT)
+    store(storage, prompt[1:], SIZE)
+    parked = parked_prefetch(storage, keys_of(44, 1), SIZE)  # holds the one slot
+    writing = storage.reserve_write(prompt[:1], [SIZE])  # in L1, not READY, not in L2
+    handle, locked = storage.start_prefetch(prompt)
+    assert locked is None, "queued behind the parked prefetch, not settled at the key being written"
+    storage.view(writing[prompt[0]])[:] = payload(prompt[0], SIZE)
+    storage.commit_write(prompt[:1])
+    backend.gate.set()
+    assert storage.wait_prefetch(parked, 10) == 1
+    storage.release(keys_of(44, 1))
+    assert storage.wait_prefetch(handle, 10) == COUNT
+    objects = storage.read(prompt)
+    assert [bytes(storage.view(obj)) for obj in objects] == [payload(key, SIZE) for key in prompt]
+    storage.release(prompt, 2)
     assert_nothing_held(storage)
