@@ -25,6 +25,8 @@ Factory = Callable[..., TiersServer]
 MOCK = '{"type": "mock", "max_size_gb": 0.1}'  # answers lookups at once (from memory)
 #: the same behind fault_inject (no faults), which answers lookups on its worker only
 WORKER_ONLY = '{"type": "fault_inject", "rate": 0.0, "inner": {"type": "mock", "max_size_gb": 0.1}}'
+#: one that has contains_many_now but says it never answers with it (a simulated latency)
+SLOW = '{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.001, "namespace": "slow"}'
 COUNT = 64  # past the decoder's threshold for undecoded lists
 SIZE = 4096
 
@@ -44,8 +46,13 @@ def lookups_seen(server: TiersServer, monkeypatch: pytest.MonkeyPatch) -> list[t
 
 @pytest.mark.parametrize(
     ("adapters", "kind"),
-    [([], LazyKeys), ([MOCK], LazyKeys), ([MOCK, WORKER_ONLY], list)],
-    ids=["l1-only", "answering-at-once", "one-answering-on-its-worker"],
+    [([], LazyKeys), ([MOCK], LazyKeys), ([MOCK, WORKER_ONLY], list), ([MOCK, SLOW], list)],
+    ids=[
+        "l1-only",
+        "answering-at-once",
+        "one-answering-on-its-worker",
+        "one-saying-it-never-answers-at-once",
+    ],
 )
 def test_a_new_prompt_is_decoded_only_when_an_l2_will_ask_for_every_key(
     make_server: Factory, monkeypatch: pytest.MonkeyPatch, adapters: list[str], kind: type

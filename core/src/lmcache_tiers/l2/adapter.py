@@ -177,7 +177,9 @@ class BackendAdapter(L2Adapter):
 
     @property
     def answers_lookups_now(self) -> bool:
-        return self._contains_now is not None
+        # A backend with ``contains_many_now`` may know it never answers with it (fs on a
+        # remote root, mock with a simulated latency) and say so as ``answers_lookups_now``.
+        return self._contains_now is not None and bool(getattr(self.backend, "answers_lookups_now", True))
 
     def lookup_and_lock_now(self, keys: Sequence[ObjectKey]) -> LookupResult | None:
         """The lookup run here, on the caller's thread, when the backend answers it from

@@ -234,6 +234,11 @@ class FsBackend:
         what says whether a hit is still there."""
         return self.context.misses_now(keys) if self.config.is_local else None
 
+    @property
+    def answers_lookups_now(self) -> bool:
+        """Whether ``contains_many_now`` ever answers: only on a local directory."""
+        return self.config.is_local
+
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
         return self._records.read_many(keys, buffers)
 

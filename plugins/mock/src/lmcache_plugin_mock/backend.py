@@ -203,6 +203,11 @@ class MockBackend:
             found = [self._objects.data.get(key) for key in keys]
         return [None if obj is None else obj.size for obj in found]
 
+    @property
+    def answers_lookups_now(self) -> bool:
+        """Whether ``contains_many_now`` ever answers: not with a simulated latency."""
+        return not self.config.latency_s
+
     def contains_many_now(self, keys: Sequence[ObjectKey]) -> list[int | None] | None:
         """The namespace is in memory: answered on the caller's thread -- unless a
         simulated latency makes lookups slow on purpose, or another thread holds the
