@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -22,8 +23,8 @@ from tiers_e2e import HERE, free_port, stop_signals_at_default
 
 from lmcache_tiers.config import build_config
 from lmcache_tiers.errors import ConfigError
-from lmcache_tiers.plugins import load_registry
-from lmcache_tiers.registry import Kind
+from lmcache_tiers.plugins import load_registry, reset_cache
+from lmcache_tiers.registry import ComponentRegistry, Kind
 from lmcache_tiers.server.app import TiersServer
 
 LAUNCHER = HERE / "start_blocked_for_tests.py"
@@ -97,9 +98,22 @@ class _NeedsSettings(msgspec.Struct):
     window: int
 
 
-def test_an_l2_eviction_policy_that_cannot_be_built_leaks_no_descriptors() -> None:
+@pytest.fixture
+def own_registry() -> Iterator[ComponentRegistry]:
+    """The discovered registry, for a test that adds components to it: discovered again
+    after the test, so that what it added reaches no other test of this process (a
+    command listing every eviction policy would meet one it cannot build)."""
+    try:
+        yield load_registry()
+    finally:
+        reset_cache()
+
+
+def test_an_l2_eviction_policy_that_cannot_be_built_leaks_no_descriptors(
+    own_registry: ComponentRegistry,
+) -> None:
     # Built after L1, the adapters and the engine's controllers: each of those is given back.
-    registry = load_registry()
+    registry = own_registry
     registry.for_plugin(Kind.EVICTION_POLICY, "tests").add("needs_settings", object, _NeedsSettings)
     adapter = {"type": "mock", "max_size_gb": 0.01, "eviction": {"eviction_policy": "needs_settings"}}
     shm_name = f"tiers_test_{uuid.uuid4().hex[:12]}"
