@@ -199,15 +199,9 @@ class PrefetchController(ControllerThread):
         answer in ``failed``, to be taken as a miss of every key) is not asked again at
         once: it failed this lookup's one question, counted once, as it was before."""
         for slot in self.slots:
-            try:
-                result = slot.adapter.lookup_and_lock_now([key])
-            except Exception as exc:
-                self._now_failed(slot, exc)
-                failed[slot.index] = None
-                return False
+            result = self._ask_now(slot, [key], failed)
             if result is None:
                 return False
-            self.stats.add_adapter(slot.index, "lookups")
             if not self._well_formed(slot, [key], result):
                 failed[slot.index] = LookupResult([], [])  # (unpinned and counted there)
                 return False
@@ -216,21 +210,21 @@ class PrefetchController(ControllerThread):
                 return False
         return True
 
-    def _ask_now(self, slot: AdapterSlot, keys: list[ObjectKey]) -> LookupResult | None:
+    def _ask_now(
+        self, slot: AdapterSlot, keys: list[ObjectKey], failed: dict[int, LookupResult | None]
+    ) -> LookupResult | None:
         """``slot``'s ``lookup_and_lock_now`` of ``keys``: None when it cannot answer now or
-        failed (counted and logged)."""
+        raised (counted, logged, and noted in ``failed``)."""
         try:
             result = slot.adapter.lookup_and_lock_now(keys)
         except Exception as exc:
-            self._now_failed(slot, exc)
+            self.stats.fail("l2_lookup_now_error")
+            self._adapter_failed("l2_lookup_now_error", slot, "lookup could not be answered at once", exc)
+            failed[slot.index] = None
             return None
         if result is not None:
             self.stats.add_adapter(slot.index, "lookups")
         return result
-
-    def _now_failed(self, slot: AdapterSlot, exc: Exception) -> None:
-        self.stats.fail("l2_lookup_now_error")
-        self._adapter_failed("l2_lookup_now_error", slot, "lookup could not be answered at once", exc)
 
     def _look_up_now(self, request: PrefetchRequest, failed: dict[int, LookupResult | None]) -> bool:
         """Ask every adapter that can answer from memory (``lookup_and_lock_now``) on this
@@ -251,7 +245,7 @@ class PrefetchController(ControllerThread):
                     count = len(request.remaining)
                     result = LookupResult([False] * count, [0] * count)
             else:
-                result = self._ask_now(slot, request.remaining)
+                result = self._ask_now(slot, request.remaining, failed)
             if result is None:
                 continue
             answered += 1

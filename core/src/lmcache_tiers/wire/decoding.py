@@ -442,7 +442,7 @@ class KeyCache:
             return None  # not a whole key: decoded the usual way, which says what is wrong
         # The encoding msgspec gives the first key (the client's, when it is one): then its
         # hash's bytes end where the encodings of the two fields after it begin.
-        if _KEY_ENCODER(first) != pieces[0]:
+        if first.to_bytes() != pieces[0]:
             return None
         end = size - len(_KEY_ENCODER(first.object_group)) - len(_KEY_ENCODER(first.cache_salt))
         begin = end - len(first.chunk_hash)
