@@ -712,7 +712,8 @@ def test_a_store_takes_the_next_trips_checksums_while_the_store_reads_this_trip(
     keys = make_keys(6)  # trips of two objects
 
     def header_noted(key: ObjectKey, payload: memoryview, **options: Any) -> bytes:
-        events.append(f"header {keys.index(key)}")
+        if options.get("digest") is None:  # a checksum taken, not a header checked
+            events.append(f"header {keys.index(key)}")
         return record_header(key, payload, **options)
 
     def reply_noted(reader: ReplyReader) -> Any:

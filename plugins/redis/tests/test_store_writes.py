@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 from lmcache_plugin_redis.backend import _dropped_indices
@@ -19,9 +20,18 @@ from lmcache_tiers.testing.l2 import make_keys
 
 
 class _Context:
-    """Record headers that name their payload's first byte (the real ones: core's)."""
+    """Record headers that name their payload's first byte (the real ones: core's), each
+    header taken (``digest`` None) or checked (a digest given) noted in ``events``; a key
+    in ``refused`` has a header that cannot be made."""
 
-    def record_header(self, key: ObjectKey, payload: memoryview) -> bytes:
+    def __init__(self, refused: tuple[ObjectKey, ...] = ()) -> None:
+        self.events: list[str] = []
+        self.refused = refused
+
+    def record_header(self, key: ObjectKey, payload: memoryview, digest: bytes | None = None) -> bytes:
+        if key in self.refused:
+            raise ValueError("record header of 70000 bytes exceeds 65536")
+        self.events.append(f"{'header' if digest is None else 'check'} {bytes(payload[:1])[0]}")
         return b"header-of-%d" % bytes(payload[:1])[0]
 
 
@@ -58,7 +68,7 @@ def test_a_trip_is_the_hsets_redis_py_would_send_and_the_bulk_limit_answer_drops
     headers = RecordHeaders(_Context(), keys, payloads)  # type: ignore[arg-type]
     expected = b"".join(
         pack_command(
-            b"HSET", names[index], b"h", b"header-of-%d" % payloads[index][0], b"p", bytes(payloads[index])
+            b"HSET", names[index], b"p", bytes(payloads[index]), b"h", b"header-of-%d" % payloads[index][0]
         )
         for index in (0, 1)
     )
@@ -70,3 +80,40 @@ def test_a_trip_is_the_hsets_redis_py_would_send_and_the_bulk_limit_answer_drops
     assert replies[0] == 2
     assert isinstance(replies[1], ResponseError)
     assert _dropped_indices([0, 1], replies) == [1]
+
+
+def test_a_record_header_is_taken_after_its_payload_is_sent_and_checked_before_the_trip() -> None:
+    # The checksum is taken while the store reads the payload just sent (the header is the
+    # HSET's last field); whether the header can be made at all is known before the trip's
+    # first byte.
+    keys = make_keys(2)
+    payloads = [memoryview(bytearray([7]) * 30), memoryview(bytearray([9]) * 50)]
+    context = _Context()
+    headers = RecordHeaders(context, keys, payloads)  # type: ignore[arg-type]
+
+    def send(data: bytes | memoryview) -> None:
+        if isinstance(data, memoryview):
+            context.events.append(f"payload {bytes(data[:1])[0]}")
+
+    reader = mock.Mock(spec=ReplyReader)
+    reader.integer_reply.return_value = 2
+    assert write_records(send, reader, {0: b"a", 1: b"b"}, payloads, headers, [0, 1], []) == [2, 2]
+    assert context.events == ["check 7", "check 9", "payload 7", "header 7", "payload 9", "header 9"]
+
+
+def test_a_header_that_cannot_be_made_fails_its_trip_before_a_byte_is_sent(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    # Raised after the first record was sent, it would leave that record complete on the
+    # wire: run by the store, and reported failed.
+    ours, theirs = pair
+    keys = make_keys(2)
+    payloads = [memoryview(bytearray([7]) * 30), memoryview(bytearray([9]) * 50)]
+    headers = RecordHeaders(_Context(refused=(keys[1],)), keys, payloads)  # type: ignore[arg-type]
+    reader = ReplyReader()
+    reader.attach(ours)
+    with pytest.raises(ValueError, match="exceeds"):
+        write_records(ours.sendall, reader, {0: b"a", 1: b"b"}, payloads, headers, [0, 1], [])
+    theirs.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        theirs.recv(1)

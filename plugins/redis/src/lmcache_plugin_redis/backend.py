@@ -1,6 +1,6 @@
 """The ``redis`` backend: one Redis hash per object, ``h`` its record header, ``p`` its payload.
 
-Why a hash: one ``HSET key h <header> p <payload>`` writes header and payload as two
+Why a hash: one ``HSET key p <payload> h <header>`` writes header and payload as two
 separate buffers in one atomic command -- nothing is concatenated in memory, and a reader
 (another server too) sees the old object or the new one, never half of either.  ``HGET h``
 answers a lookup from the header (sizes, key, serde chain, all verified by its crc), and
@@ -10,8 +10,8 @@ header describing another payload (a buggy writer's) is damage, never a size to 
 and the caller's buffer, before the payload is read; the object is reported loaded only once every byte
 matched the header's checksum.  On a standalone store lookups and loads read their replies
 themselves (direct.py, replies.py): the payload goes from the socket into the caller's
-buffer, hashed piece by piece as it lands; stores are written there too, the next trip's
-checksums taken while the store reads the current one (writes.py).  In cluster mode they
+buffer, hashed piece by piece as it lands; stores are written there too, each checksum taken
+while the store reads a payload already sent (writes.py).  In cluster mode they
 go through redis-py's cluster pipeline, which follows slot moves, and a load copies the
 verified reply.
 
@@ -1063,7 +1063,7 @@ class RedisBackend:
         if self._direct is None:
             pipe = self._pipeline()
             for index in batch:
-                mapping = {HEADER: headers.of(index), PAYLOAD: payloads[index]}
+                mapping = {PAYLOAD: payloads[index], HEADER: headers.of(index)}
                 pipe.hset(self.name_of(keys[index]), mapping=mapping)
             return self._execute(pipe, per_key=True)
         names = {index: self.name_of(keys[index]).encode() for index in batch}
