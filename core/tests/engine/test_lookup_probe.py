@@ -1,7 +1,8 @@
 """A lookup of 8 keys or more past L1's prefix asks the adapters about the first of them
 alone first: where none holds it (a new prompt) the prefix ends there and no other key is
 asked about; where one does, or one cannot answer at once, the whole lookup goes on as
-before, and every pin the first question took is given back.  An adapter that raised on
+before, each adapter that answered asked about the keys after that one only, and every
+pin the first question took is held by the request or given back.  An adapter that raised on
 that question or answered it malformed is not asked again at once (one failure counted a
 lookup); a key repeated right where L1's prefix ends is not asked about, and one L1 holds
 not READY yet does not end the lookup there."""
@@ -60,6 +61,11 @@ def test_a_new_prompt_asks_the_adapters_about_its_first_key_alone(engine: Engine
     assert_nothing_held(storage)
 
 
+def lookups(storage: StorageManager, index: int = 0) -> int:
+    """Lookups asked of adapter ``index``, as /metrics counts them."""
+    return int(storage.status()["adapters"][index]["lookups"])
+
+
 def test_a_prompt_whose_first_key_past_l1_is_in_l2_is_looked_up_whole(engine: Engine) -> None:
     storage = engine([mock()])
     prompt = keys_of(3, 40)
@@ -67,6 +73,8 @@ def test_a_prompt_whose_first_key_past_l1_is_in_l2_is_looked_up_whole(engine: En
     handle, locked = storage.start_prefetch(prompt)
     assert locked is None
     assert storage.wait_prefetch(handle, 10) == 30
+    assert asked(storage) == 40, "each key asked about once: the first, then the others"
+    assert lookups(storage) == 1
     objects = storage.read(prompt)
     assert [bytes(storage.view(obj)) for obj in objects] == [payload(key, SIZE) for key in prompt[:30]]
     storage.release(prompt[:30], 2)  # the read above and the prefetch's own lock
@@ -185,3 +193,70 @@ def test_a_key_being_written_in_l1_right_past_its_prefix_does_not_end_the_lookup
     assert [bytes(storage.view(obj)) for obj in objects] == [payload(key, SIZE) for key in prompt]
     storage.release(prompt, 2)
     assert_nothing_held(storage)
+
+
+def test_each_of_two_adapters_is_asked_about_each_key_once(engine: Engine) -> None:
+    # The first misses the first key past L1 and holds the keys after it; the second
+    # holds that key (the first question stops there): both answer about the rest.
+    storage = engine([mock(), mock(namespace="second")])
+    prompt = keys_of(46, COUNT)
+    store_in_l2_only(storage, prompt, SIZE)
+    first, second = storage.adapters
+    assert first.delete(prompt[:1]) == [True]
+    assert second.delete(prompt[1:]) == [True] * (COUNT - 1)
+    handle, locked = storage.start_prefetch(prompt)
+    assert locked is None
+    assert storage.wait_prefetch(handle, 10) == COUNT
+    assert asked(storage, 0) == asked(storage, 1) == COUNT
+    assert lookups(storage, 0) == lookups(storage, 1) == 1
+    objects = storage.read(prompt)
+    assert [bytes(storage.view(obj)) for obj in objects] == [payload(key, SIZE) for key in prompt]
+    storage.release(prompt, 2)
+    assert_nothing_held(storage)
+
+
+@pytest.mark.parametrize("answer", ["not-now", "malformed"])
+def test_a_hit_whose_rest_is_not_answered_at_once_gives_its_pin_back(engine: Engine, answer: str) -> None:
+    # Found at the first question, then not answered at once about the keys after it:
+    # the controller asks about every key (the pin of the first given back), or a
+    # malformed answer makes the lookup a miss of every key, counted.
+    storage = engine([mock()])
+    prompt = keys_of(47, COUNT)
+    store_in_l2_only(storage, prompt[:3], SIZE)
+    l2 = storage.adapters[0]
+    look_up_now = l2.lookup_and_lock_now
+    calls: list[int] = []
+
+    def second_call_fails(keys: list[object]) -> LookupResult | None:
+        calls.append(len(keys))
+        result = look_up_now(keys)  # type: ignore[arg-type]
+        if len(calls) == 1 or result is None:
+            return result
+        if answer == "not-now":
+            l2.unlock([key for key, hit in zip(keys, result.found, strict=True) if hit])  # type: ignore[misc]
+            return None
+        return LookupResult([*result.found, False], [*result.sizes, 0])  # one flag too many
+
+    l2.lookup_and_lock_now = second_call_fails  # type: ignore[method-assign]
+    expected = 3 if answer == "not-now" else 0
+    assert storage.wait_prefetch(storage.submit_prefetch(prompt), 10) == expected
+    assert calls == [1, COUNT - 1]
+    assert failures(storage, "l2_lookup_bad_result") == (answer == "malformed")
+    storage.release(prompt[:expected])
+    assert_nothing_held(storage)
+
+
+def test_a_lookup_that_fails_past_the_first_question_gives_its_pin_back(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    storage = engine([mock()])
+    prompt = keys_of(48, COUNT)
+    store_in_l2_only(storage, prompt, SIZE)
+
+    def broken(keys: object) -> list[object]:
+        raise RuntimeError("deduplication broke")
+
+    monkeypatch.setattr("lmcache_tiers.controllers.prefetch.unique_prefix", broken)
+    with pytest.raises(RuntimeError, match="deduplication broke"):
+        storage.start_prefetch(prompt)
+    assert storage.adapters[0].pinned_keys() == {}, "the first question's pin"

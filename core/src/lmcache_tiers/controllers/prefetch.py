@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 #: a lookup with this many keys or more past L1's prefix first asks the adapters about the
 #: first of them alone (``_missing_everywhere_now``): a new prompt misses there, and the
-#: other keys are never asked about; a prompt that hits pays that one key's lookup twice
+#: other keys are never asked about; a prompt that hits is asked about the keys after it
 PROBE_MIN_KEYS = 8
 
 
@@ -149,6 +149,9 @@ class PrefetchController(ControllerThread):
         # Adapters whose answer to the first question (``_missing_everywhere_now``) failed:
         # not asked again at once about the whole lookup (see ``_look_up_now``).
         failed: dict[int, LookupResult | None] = {}
+        # The adapters' answers to that question (a hit pinned): those asked about the
+        # whole lookup are asked about the keys after that one only (``_look_up_now``).
+        probed: dict[int, LookupResult] = {}
         if not self.slots or len(keys) - l1_hits >= PROBE_MIN_KEYS:
             distinct = unique_length(keys, l1_hits)
             # Settled too: no adapter; a repeat where L1's prefix ends (nothing is left for
@@ -161,11 +164,34 @@ class PrefetchController(ControllerThread):
                 or distinct == l1_hits
                 or (
                     not self.l1.contains(keys[l1_hits])
-                    and self._missing_everywhere_now(keys[l1_hits], failed)
+                    and self._missing_everywhere_now(keys[l1_hits], failed, probed)
                 )
             ):
                 self.stats.add_lookup(distinct, l1_hits)
                 return handle, locked
+        try:
+            return self._begin_l2(handle, keys, readers, l1_hits, locked, started, failed, probed)
+        except BaseException:
+            for index, answer in probed.items():  # a hit's pin that no request took over
+                if answer.found[0]:
+                    self._locks.unpin_slot(self.slots[index], [keys[l1_hits]])
+            raise
+
+    def _begin_l2(
+        self,
+        handle: int,
+        keys: Sequence[ObjectKey],
+        readers: int,
+        l1_hits: int,
+        locked: list[ObjectKey],
+        started: float,
+        failed: dict[int, LookupResult | None],
+        probed: dict[int, LookupResult],
+    ) -> tuple[int, list[ObjectKey] | None]:
+        """``begin`` of a lookup with keys left for L2 past L1's prefix: the adapters that
+        answer at once asked (those in ``probed`` about the keys after the first only), the
+        request queued for the others or for loading.  A key was asked about in ``probed``
+        only when it is not a repeat: it is then the first of ``unique``'s keys past L1's."""
         unique = unique_prefix(keys)
         remaining = len(unique) - l1_hits
         self.stats.add_lookup(len(unique), l1_hits)
@@ -179,7 +205,7 @@ class PrefetchController(ControllerThread):
         )
         until = started + self._handles.result_ttl_s
         request = PrefetchRequest(handle, unique, readers, l1_hits, until, self.l1.lock_deadline(started))
-        if self._look_up_now(request, failed) and not any(request.pinned.values()):
+        if self._look_up_now(request, failed, probed) and not any(request.pinned.values()):
             return handle, locked  # every adapter answered at once, and nothing was found
         if not self._handles.enqueue(request):  # shutting down
             self._locks.release_pins(request)
@@ -187,13 +213,15 @@ class PrefetchController(ControllerThread):
         self.wake()
         return handle, None
 
-    def _missing_everywhere_now(self, key: ObjectKey, failed: dict[int, LookupResult | None]) -> bool:
+    def _missing_everywhere_now(
+        self, key: ObjectKey, failed: dict[int, LookupResult | None], probed: dict[int, LookupResult]
+    ) -> bool:
         """Whether every adapter answers at once (``lookup_and_lock_now``) that it does not
         hold ``key``, the first key past L1's prefix: no prefix goes past a key no tier
         holds, so a new prompt's lookup asks about that key alone instead of every key
         (each pinned, asked and unpinned: some 2 us a key with the fs adapter), and leaves
-        a lookup's keys undecoded (``LazyKeys``).  A hit is unpinned at once: the lookup
-        of every key that follows asks again.
+        a lookup's keys undecoded (``LazyKeys``).  Each adapter's answer goes in ``probed``,
+        a hit pinned: the lookup then asks it about the keys that follow only.
 
         An adapter that raised (None in ``failed``) or answered malformed (an empty
         answer in ``failed``, to be taken as a miss of every key) is not asked again at
@@ -205,16 +233,22 @@ class PrefetchController(ControllerThread):
             if not self._well_formed(slot, [key], result):
                 failed[slot.index] = LookupResult([], [])  # (unpinned and counted there)
                 return False
+            probed[slot.index] = result
             if result.found[0]:
-                self._locks.unpin_slot(slot, [key])
                 return False
         return True
 
     def _ask_now(
-        self, slot: AdapterSlot, keys: list[ObjectKey], failed: dict[int, LookupResult | None]
+        self,
+        slot: AdapterSlot,
+        keys: list[ObjectKey],
+        failed: dict[int, LookupResult | None],
+        *,
+        counted: bool = True,
     ) -> LookupResult | None:
         """``slot``'s ``lookup_and_lock_now`` of ``keys``: None when it cannot answer now or
-        raised (counted, logged, and noted in ``failed``)."""
+        raised (counted, logged, and noted in ``failed``).  An answer is counted among the
+        adapter's lookups unless ``counted`` is false (the rest of one counted already)."""
         try:
             result = slot.adapter.lookup_and_lock_now(keys)
         except Exception as exc:
@@ -222,11 +256,39 @@ class PrefetchController(ControllerThread):
             self._adapter_failed("l2_lookup_now_error", slot, "lookup could not be answered at once", exc)
             failed[slot.index] = None
             return None
-        if result is not None:
+        if result is not None and counted:
             self.stats.add_adapter(slot.index, "lookups")
         return result
 
-    def _look_up_now(self, request: PrefetchRequest, failed: dict[int, LookupResult | None]) -> bool:
+    def _ask_rest_now(
+        self,
+        slot: AdapterSlot,
+        keys: list[ObjectKey],
+        first: LookupResult,
+        failed: dict[int, LookupResult | None],
+    ) -> LookupResult | None:
+        """``slot``'s answer about ``keys``, whose first it answered already (``first``, a
+        hit pinned): asked about the others alone, so that no key is asked of it twice
+        (each answer counted in its hits or misses).  None when it cannot answer about
+        them now -- the first's pin given back, for the controller asks about every key
+        -- and a miss of every key when that answer is malformed."""
+        rest: LookupResult | None = LookupResult([], [])
+        if len(keys) > 1:
+            rest = self._ask_now(slot, keys[1:], failed, counted=False)
+        if rest is not None and self._well_formed(slot, keys[1:], rest):
+            return LookupResult([*first.found, *rest.found], [*first.sizes, *rest.sizes])
+        if first.found[0]:
+            self._locks.unpin_slot(slot, keys[:1])
+        if rest is None:
+            return None
+        return LookupResult([False] * len(keys), [0] * len(keys))  # (the rest's hits unpinned)
+
+    def _look_up_now(
+        self,
+        request: PrefetchRequest,
+        failed: dict[int, LookupResult | None],
+        probed: dict[int, LookupResult],
+    ) -> bool:
         """Ask every adapter that can answer from memory (``lookup_and_lock_now``) on this
         thread, recording their answers in ``request`` as the controller would; True
         when every adapter answered.  Those in ``failed`` are not asked: one that raised
@@ -234,7 +296,8 @@ class PrefetchController(ControllerThread):
 
         Only a request whose answer is a miss everywhere is settled here; one with hits
         still goes to the controller thread, which plans and loads them without asking
-        those adapters again.
+        those adapters again.  Those in ``probed`` answered about the first key already,
+        and are asked about the others (``_ask_rest_now``).
         """
         request.remaining = request.keys[request.l1_hits :]
         answered = 0
@@ -244,6 +307,9 @@ class PrefetchController(ControllerThread):
                 if result is not None:  # malformed, counted: nothing pinned
                     count = len(request.remaining)
                     result = LookupResult([False] * count, [0] * count)
+            elif slot.index in probed:
+                result = self._ask_rest_now(slot, request.remaining, probed[slot.index], failed)
+                del probed[slot.index]  # its pin is the request's now, or given back
             else:
                 result = self._ask_now(slot, request.remaining, failed)
             if result is None:
