@@ -260,3 +260,34 @@ def test_a_lookup_that_fails_past_the_first_question_gives_its_pin_back(
     with pytest.raises(RuntimeError, match="deduplication broke"):
         storage.start_prefetch(prompt)
     assert storage.adapters[0].pinned_keys() == {}, "the first question's pin"
+
+
+class Interrupted(BaseException):
+    """An interrupt raised through an adapter's call (not an ``Exception``)."""
+
+
+@pytest.mark.parametrize("where", ["second-adapter-interrupted", "queue-broke"])
+def test_a_lookup_that_fails_once_answered_gives_back_the_pins_of_its_answers(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    # The first adapter holds the first key past L1: its answer (that key's pin from the
+    # first question, the others' from the question about the rest) is the request's;
+    # the lookup then fails before it is queued.  Another reader's pin of that key stays.
+    storage = engine([mock(), mock(namespace="second")])
+    prompt = keys_of(49, COUNT)
+    store_in_l2_only(storage, prompt, SIZE)
+    first, second = storage.adapters
+    assert first.lookup_and_lock_now(prompt[:1]) == ([True], [SIZE])
+
+    def broken(*args: object) -> None:
+        raise Interrupted if where == "second-adapter-interrupted" else RuntimeError("queue broke")
+
+    if where == "second-adapter-interrupted":
+        monkeypatch.setattr(second, "lookup_and_lock_now", broken)
+    else:
+        monkeypatch.setattr(storage.prefetch._handles, "enqueue", broken)
+    with pytest.raises((Interrupted, RuntimeError)):
+        storage.start_prefetch(prompt)
+    assert first.pinned_keys() == {prompt[0]: 1}, "the other reader's pin, and no other"
+    assert second.pinned_keys() == {}
+    first.unlock(prompt[:1])

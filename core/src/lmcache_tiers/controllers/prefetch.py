@@ -205,9 +205,16 @@ class PrefetchController(ControllerThread):
         )
         until = started + self._handles.result_ttl_s
         request = PrefetchRequest(handle, unique, readers, l1_hits, until, self.l1.lock_deadline(started))
-        if self._look_up_now(request, failed, probed) and not any(request.pinned.values()):
-            return handle, locked  # every adapter answered at once, and nothing was found
-        if not self._handles.enqueue(request):  # shutting down
+        try:
+            if self._look_up_now(request, failed, probed) and not any(request.pinned.values()):
+                return handle, locked  # every adapter answered at once, and nothing was found
+            queued = self._handles.enqueue(request)
+        except BaseException:
+            # Not queued, so no controller will ever give back the pins its answers took
+            # (the first question's hits among them, taken over from ``probed``).
+            self._locks.release_pins(request)
+            raise
+        if not queued:  # shutting down
             self._locks.release_pins(request)
             return handle, locked
         self.wake()
