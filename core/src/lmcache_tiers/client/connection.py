@@ -164,6 +164,13 @@ def checked_handle(handle: int) -> int:
     return handle
 
 
+def _wait_ms(seconds: float) -> int:
+    """A blocking wait of ``seconds`` in the whole milliseconds a socket takes, rounded up
+    (at least one): rounded down, the last wait of a call ended up to 1 ms before its
+    deadline, and the call timed out that much early."""
+    return max(1, math.ceil(seconds * 1000))
+
+
 def _rest_of_message(sock: zmq.Socket[bytes]) -> list[bytes]:
     """The frames after a message's first, received as bytes (they arrive together with
     it, so these receives do not block)."""
@@ -476,7 +483,7 @@ class Connection:
         deadline = now + seconds
         sock = self._socket
         # in slices: between them, _await looks whether the connection is gone
-        timeout_ms = _LINK_CHECK_MS if seconds >= LINK_CHECK_S else max(1, int(seconds * 1000))
+        timeout_ms = _LINK_CHECK_MS if seconds >= LINK_CHECK_S else _wait_ms(seconds)
         if timeout_ms != self._receive_timeout_ms:
             sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._receive_timeout_ms = timeout_ms
@@ -694,6 +701,9 @@ class Connection:
                 # A reply that arrived before the drop is still readable; nothing comes after it.
                 frames = self._receive(0.001, zero_copy)
                 lost = True
+            if frames is None and not lost and deadline > time.monotonic():
+                # Woke before the deadline: ZeroMQ's clock may run a little behind.
+                continue
             if frames is None:
                 self._outstanding.pop(req_id, None)
                 self._remember_orphan(request, sent_at)
@@ -723,7 +733,7 @@ class Connection:
 
     def _receive(self, seconds: float, zero_copy: bool) -> list[Any] | None:
         # A blocking receive with a timeout wakes up faster than polling first.
-        timeout_ms = max(1, int(seconds * 1000))
+        timeout_ms = _wait_ms(seconds)
         if timeout_ms != self._receive_timeout_ms:
             self._socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._receive_timeout_ms = timeout_ms
@@ -773,7 +783,7 @@ class Connection:
                         raise RequestTimeoutError(f"cannot reach the server at {self.url}") from None
                     # In slices: a poll takes an int of milliseconds, which a long (or
                     # infinite) timeout overflows.
-                    sock.poll(max(1, int(min(remaining, _MAX_POLL_S) * 1000)), zmq.POLLOUT)
+                    sock.poll(_wait_ms(min(remaining, _MAX_POLL_S)), zmq.POLLOUT)
             last = len(payloads) - 1
             for index, payload in enumerate(payloads):
                 # Copied, not referenced: a message may still be queued when its caller is
