@@ -237,12 +237,15 @@ def test_a_hit_whose_rest_is_not_answered_at_once_gives_its_pin_back(engine: Eng
             return None
         return LookupResult([*result.found, False], [*result.sizes, 0])  # one flag too many
 
+    assert look_up_now(prompt[:1]) == ([True], [SIZE])  # another reader's pin: it stays
     l2.lookup_and_lock_now = second_call_fails  # type: ignore[method-assign]
     expected = 3 if answer == "not-now" else 0
     assert storage.wait_prefetch(storage.submit_prefetch(prompt), 10) == expected
     assert calls == [1, COUNT - 1]
     assert failures(storage, "l2_lookup_bad_result") == (answer == "malformed")
     storage.release(prompt[:expected])
+    assert l2.pinned_keys() == {prompt[0]: 1}, "given back once"
+    l2.unlock(prompt[:1])
     assert_nothing_held(storage)
 
 
@@ -256,33 +259,47 @@ def test_a_lookup_that_fails_past_the_first_question_gives_its_pin_back(
     def broken(keys: object) -> list[object]:
         raise RuntimeError("deduplication broke")
 
+    l2 = storage.adapters[0]
+    assert l2.lookup_and_lock_now(prompt[:1]) == ([True], [SIZE])  # another reader's pin: it stays
     monkeypatch.setattr("lmcache_tiers.controllers.prefetch.unique_prefix", broken)
     with pytest.raises(RuntimeError, match="deduplication broke"):
         storage.start_prefetch(prompt)
-    assert storage.adapters[0].pinned_keys() == {}, "the first question's pin"
+    assert l2.pinned_keys() == {prompt[0]: 1}, "the first question's pin, given back once"
+    l2.unlock(prompt[:1])
 
 
 class Interrupted(BaseException):
     """An interrupt raised through an adapter's call (not an ``Exception``)."""
 
 
-@pytest.mark.parametrize("where", ["second-adapter-interrupted", "queue-broke"])
+@pytest.mark.parametrize("where", ["rest-interrupted", "second-adapter-interrupted", "queue-broke"])
 def test_a_lookup_that_fails_once_answered_gives_back_the_pins_of_its_answers(
     engine: Engine, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     # The first adapter holds the first key past L1: its answer (that key's pin from the
-    # first question, the others' from the question about the rest) is the request's;
-    # the lookup then fails before it is queued.  Another reader's pin of that key stays.
+    # first question, the others' from the question about the rest) is the request's,
+    # or that key's pin is still the first question's when the question about the rest
+    # is interrupted; the lookup then fails before it is queued.  Another reader's pin
+    # of that key stays.
     storage = engine([mock(), mock(namespace="second")])
     prompt = keys_of(49, COUNT)
     store_in_l2_only(storage, prompt, SIZE)
     first, second = storage.adapters
     assert first.lookup_and_lock_now(prompt[:1]) == ([True], [SIZE])
 
+    look_up_now = first.lookup_and_lock_now
+
+    def first_question_only(keys: list[object]) -> LookupResult | None:
+        if len(keys) > 1:
+            raise Interrupted  # asked about the keys after the first
+        return look_up_now(keys)  # type: ignore[arg-type]
+
     def broken(*args: object) -> None:
         raise Interrupted if where == "second-adapter-interrupted" else RuntimeError("queue broke")
 
-    if where == "second-adapter-interrupted":
+    if where == "rest-interrupted":
+        monkeypatch.setattr(first, "lookup_and_lock_now", first_question_only)
+    elif where == "second-adapter-interrupted":
         monkeypatch.setattr(second, "lookup_and_lock_now", broken)
     else:
         monkeypatch.setattr(storage.prefetch._handles, "enqueue", broken)
