@@ -308,3 +308,34 @@ def test_a_lookup_that_fails_once_answered_gives_back_the_pins_of_its_answers(
     assert first.pinned_keys() == {prompt[0]: 1}, "the other reader's pin, and no other"
     assert second.pinned_keys() == {}
     first.unlock(prompt[:1])
+
+
+def test_a_queued_lookup_whose_first_keys_became_ready_in_l1_drops_their_pins_once(engine: Engine) -> None:
+    # The first question's hit and the answer about the keys after it are one answer of
+    # the request: when its first keys are written to L1 while it is queued, that answer
+    # shrinks to the keys still left, each pin dropped once, the others loaded.
+    storage = engine([AdapterSpec(type="gated_now", config=GatedConfig())], l2_prefetch_max_in_flight=1)
+    backend = gated_backend(storage)
+    prompt = keys_of(50, COUNT)
+    store_in_l2_only(storage, prompt, SIZE)
+    parked = parked_prefetch(storage, keys_of(51, 1), SIZE)  # holds the one slot
+    l2 = storage.adapters[0]
+    assert l2.lookup_and_lock_now(prompt[:1]) == ([True], [SIZE])  # another reader's pin: it stays
+    handle, locked = storage.start_prefetch(prompt)
+    assert locked is None, "queued behind the parked prefetch"
+    assert asked(storage) == 1 + 1 + COUNT, "the parked key, the other reader's, then each key once"
+    written = storage.reserve_write(prompt[:3], [SIZE] * 3)
+    for key in prompt[:3]:
+        storage.view(written[key])[:] = payload(key, SIZE)
+    storage.commit_write(prompt[:3])
+    backend.gate.set()
+    assert storage.wait_prefetch(parked, 10) == 1
+    storage.release(keys_of(51, 1))
+    assert storage.wait_prefetch(handle, 10) == COUNT
+    objects = storage.read(prompt)
+    assert [bytes(storage.view(obj)) for obj in objects] == [payload(key, SIZE) for key in prompt]
+    storage.release(prompt, 2)
+    assert storage.flush(10)
+    assert l2.pinned_keys() == {prompt[0]: 1}, "its pin on the first key dropped once"
+    l2.unlock(prompt[:1])
+    assert_nothing_held(storage)
