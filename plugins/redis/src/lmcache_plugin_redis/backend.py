@@ -55,6 +55,7 @@ from typing import Any, Literal
 
 from redis import Redis, RedisCluster
 from redis.exceptions import (
+    AuthenticationError,
     ClusterDownError,
     InvalidResponse,
     NoPermissionError,
@@ -608,7 +609,22 @@ class RedisBackend:
             self.client.ping()
         except NoPermissionError as exc:
             raise ConfigError(f"{self.context.name}: the Redis user may not run PING ({exc})") from None
+        except AuthenticationError as exc:
+            # The store answered: every call would fail on these credentials until its users
+            # or this config change, as with a command its ACL denies (refused below).
+            raise ConfigError(
+                f"{self.context.name}: {self.target} refused the credentials ({exc}): "
+                "check username and password (or the url's)"
+            ) from None
         except Exception as exc:  # RedisError, or RedisClusterException when no seed answers
+            if isinstance(exc, ResponseError) and str(exc).startswith("DB index is out of range"):
+                # Answered too, by a store with fewer databases: SELECT fails every connection.
+                pool = getattr(self.client, "connection_pool", None)
+                db = pool.connection_kwargs.get("db") if pool is not None else self.config.database_id
+                raise ConfigError(
+                    f"{self.context.name}: {self.target} has no database {db} ({exc}): "
+                    "give one below the store's `databases` setting"
+                ) from None
             # Not fatal: the circuit breaker keeps probing and the adapter heals when it answers.
             log.warning(
                 "%s: %s does not answer yet (%s: %s)", self.context.name, self.target, type(exc).__name__, exc

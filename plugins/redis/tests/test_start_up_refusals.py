@@ -1,0 +1,74 @@
+"""A store that answers but refuses every connection of the config is refused at start-up
+(one line, exit 2), not taken for a store that is down and started anyway: its L2 would
+fail every call while the warning said the store "does not answer yet"."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cli_config import CLI
+from lmcache_plugin_redis.testing import RedisServer
+
+from lmcache_tiers.config import decode_adapter
+from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
+from lmcache_tiers.plugins import load_registry
+from lmcache_tiers.registry import Kind
+
+WRONG_PASSWORD = "the-wrong-pw"
+
+
+@pytest.fixture
+def open_adapter(opened: list[BackendAdapter]) -> Callable[..., BackendAdapter]:
+    def make(**fields: Any) -> BackendAdapter:
+        registry = load_registry()
+        spec = decode_adapter(registry, {"type": "redis", **fields}, 0)
+        facts = AdapterContext(index=0, name="0:redis", config=spec.config)
+        component = registry.get(Kind.L2_ADAPTER, "redis")
+        adapter = create_adapter(component.load(), spec.config, facts, registry=registry, type_name="redis")
+        assert isinstance(adapter, BackendAdapter)
+        opened.append(adapter)
+        return adapter
+
+    return make
+
+
+def test_credentials_the_store_rejects_are_refused_at_start_up(
+    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    with pytest.raises(ConfigError, match=r"refused the credentials .*check username and password"):
+        open_adapter(url=redis_server.url, key_prefix=prefix, username="nobody-here", password=WRONG_PASSWORD)
+
+
+def test_a_database_the_store_does_not_have_is_refused_at_start_up(
+    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    url = redis_server.url.rsplit("/", 1)[0] + "/99"  # redis-server has 16 databases by default
+    with pytest.raises(ConfigError, match="has no database 99"):
+        open_adapter(url=url, key_prefix=prefix)
+
+
+def test_serve_with_rejected_credentials_exits_2_in_one_line_without_the_password(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    url = redis_server.url.replace("redis://", f"redis://nobody-here:{WRONG_PASSWORD}@")
+    adapter = json.dumps({"type": "redis", "url": url})
+    serve = ["serve", "--no-default-l2", "--no-shm", "--l1-size-gb", "0.01", "--port", "0"]
+    done = subprocess.run(
+        [str(CLI), *serve, "--metrics-port", "0", "--l2-adapter", adapter],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        check=False,
+    )
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2, done.stderr
+    assert len(errors) == 1 and "refused the credentials" in errors[0], done.stderr
+    assert "Traceback" not in done.stderr
+    assert WRONG_PASSWORD not in done.stderr + done.stdout
