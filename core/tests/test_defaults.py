@@ -11,6 +11,7 @@ import pytest
 from rich.console import Console
 
 from lmcache_tiers import defaults
+from lmcache_tiers.config import decode_adapter
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.l2.files.dirlock import LOCK_DIR_ENV
 from lmcache_tiers.l2.scan_progress import watch_scans
@@ -52,6 +53,19 @@ def test_capacity_is_ten_gib_or_a_tenth_of_the_filesystem(
         monkeypatch.setenv(defaults.CACHE_GB_ENV, wrong)
         with pytest.raises(ConfigError, match=defaults.CACHE_GB_ENV):
             defaults.default_capacity_gb()
+
+
+def test_a_small_filesystem_gives_a_small_capacity_never_zero(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 0 GiB is "no capacity" to the adapter, and eviction without one is refused: the
+    # operator, who set neither, would be told to set max_capacity_gb.
+    monkeypatch.setattr(defaults, "_filesystem_size", lambda _d: 1 << 20)
+    assert defaults.default_capacity_gb()[0] == pytest.approx((1 << 20) * 0.1 / (1 << 30))
+    if "fs" not in load_registry().names(defaults.Kind.L2_ADAPTER):
+        pytest.skip("lmcache-plugin-fs is not installed")
+    (adapter,) = defaults.default_l2_adapters(load_registry())
+    decode_adapter(load_registry(), adapter, 0)  # raised "eviction needs a capacity"
 
 
 def test_a_second_default_claim_gets_a_hint(cache: Path) -> None:

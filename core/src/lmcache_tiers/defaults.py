@@ -84,9 +84,10 @@ def default_capacity_gb(directory: Path | None = None) -> tuple[float, str]:
     size = _filesystem_size(directory or default_l2_dir())
     cap = float(DEFAULT_L2_CAPACITY_GB)
     if size is not None and size * DEFAULT_L2_DISK_FRACTION < cap * _GIB:
-        return round(
-            size * DEFAULT_L2_DISK_FRACTION / _GIB, 3
-        ), f"{DEFAULT_L2_DISK_FRACTION:.0%} of its filesystem"
+        share = size * DEFAULT_L2_DISK_FRACTION / _GIB
+        # Rounded for the banner, but a filesystem under ~5 MiB keeps its tiny share: rounded
+        # to 0 it would read as "unbounded", refused with eviction as the operator's mistake.
+        return round(share, 3) or share, f"{DEFAULT_L2_DISK_FRACTION:.0%} of its filesystem"
     return (
         cap,
         f"the smaller of {DEFAULT_L2_CAPACITY_GB} GiB and {DEFAULT_L2_DISK_FRACTION:.0%} of its filesystem",
