@@ -162,7 +162,7 @@ class S3Backend:
 
     async def open(self) -> None:
         self._loop = asyncio.get_running_loop()
-        await self.client.open()
+        await self.client.open(announce=False)  # check_bucket said where the credentials come from
 
     def interrupt(self) -> None:
         if self._loop is not None:

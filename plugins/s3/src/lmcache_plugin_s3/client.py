@@ -140,20 +140,24 @@ class S3Client:
     def endpoint(self) -> str:
         return _endpoint_label(self.config)
 
-    async def open(self) -> None:
+    async def open(self, announce: bool = True) -> None:
+        """Connect and resolve the credentials; ``announce``: log where they come from (said
+        by the start-up check, before what it finds; the adapter's client, opened after it,
+        does not say it again)."""
         config = self.config
         fs = open_filesystem(config)
         await fs.set_session()
         self.fs = fs
-        session = fs.session
-        log.info(
-            "%s: s3://%s/%s at %s, credentials from %s",
-            self.name,
-            self.bucket,
-            config.prefix,
-            self.endpoint,
-            await self.credential_source(session),
-        )
+        source = await self.credential_source(fs.session)
+        if announce:
+            log.info(
+                "%s: s3://%s/%s at %s, credentials from %s",
+                self.name,
+                self.bucket,
+                config.prefix,
+                self.endpoint,
+                source,
+            )
 
     async def credential_source(self, session: aiobotocore.session.AioSession) -> str:
         """Where the credentials come from (never what they are)."""
