@@ -494,8 +494,8 @@ def test_lmcache_fields_are_accepted() -> None:
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ({}, "exactly one of them"),
-        ({"path": "/a", "base_path": "/b"}, "exactly one of them"),
+        ({}, r"exactly one of them - at `\$\.l2_adapters\[0\]\.path`"),
+        ({"path": "/a", "base_path": "/b"}, r"exactly one of them - at `\$\.l2_adapters\[0\]\.base_path`"),
         ({"path": "/a", "eviction": {"eviction_policy": "LRU"}}, "eviction needs a capacity"),
         ({"path": "memory://x", "use_odirect": True}, "local directories only"),
         ({"path": "/a", "relative_tmp_dir": "../elsewhere"}, "relative_tmp_dir"),

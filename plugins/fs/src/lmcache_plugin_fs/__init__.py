@@ -105,7 +105,8 @@ class FsConfig(L2AdapterConfig):
     def __post_init__(self) -> None:
         check_size_gib("max_capacity_gb", self.max_capacity_gb)
         if (self.path is None) == (self.base_path is None):
-            field = "path" if self.path is not None else "base_path"
+            # neither: the field to give is path; both: the alias is the one too many
+            field = "base_path" if self.path is not None else "path"
             raise FieldError(
                 field, "give the directory as path (or LMCache's base_path), exactly one of them"
             )
