@@ -67,6 +67,10 @@ def test_a_read_only_filesystem_is_found_by_trying(tmp_path: Path) -> None:
     try:
         with pytest.raises(FieldError, match="is on a read-only filesystem; give a writable path"):
             check_directory(str(mount / "l2"), "path")
+        # the directory itself exists: it is not "created", it is written to
+        refused = f"^{mount} exists but cannot be written to: {mount} is on a read-only"
+        with pytest.raises(FieldError, match=refused):
+            check_directory(str(mount), "path")
     finally:
         os.system(f"umount {mount}")
 

@@ -87,9 +87,9 @@ def _under_virtual_fs(path: str) -> str | None:
     return None
 
 
-def _probe_create(directory: str, field: str, target: str) -> None:
+def _probe_create(directory: str, field: str, target: str, problem: str = "cannot be created") -> None:
     """Create and remove one entry in ``directory``: the only sure test of whether this
-    user can create ``target`` there."""
+    user can create ``target`` there (``problem``: what a refusal means for ``target``)."""
     probe = os.path.join(directory, f".lmcache-tiers-preflight-{os.getpid()}")
     try:
         os.mkdir(probe, 0o700)
@@ -104,7 +104,7 @@ def _probe_create(directory: str, field: str, target: str) -> None:
             errno.EDQUOT: f"this user's disk quota on {directory} is used up",
         }
         reason = reasons.get(exc.errno or 0, f"creating an entry in {directory} fails ({exc.strerror})")
-        raise FieldError(field, f"{target} cannot be created: {reason}; give a writable path") from None
+        raise FieldError(field, f"{target} {problem}: {reason}; give a writable path") from None
     with contextlib.suppress(OSError):
         os.rmdir(probe)
 
@@ -165,7 +165,7 @@ def check_directory(path: str, field: str) -> None:
     if not stat.S_ISDIR(info.st_mode):
         raise FieldError(field, f"{path} is a file, not a directory; give a directory (or remove the file)")
     _refuse_virtual(path, field)
-    _probe_create(path, field, path)
+    _probe_create(path, field, path, "exists but cannot be written to")
 
 
 def check_file(path: str, field: str, *, devices: str = "", create: bool = True) -> None:
