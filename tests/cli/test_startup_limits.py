@@ -7,6 +7,7 @@ is merely low).  Where the server keeps data and listens is checked in
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import resource
@@ -159,6 +160,19 @@ def test_a_start_that_runs_out_of_open_files_anyway_is_one_line_naming_ulimit_n(
         f"(each L2 adapter and front end takes some); raise the hard limit "
         f"(ulimit -Hn {preflight.RECOMMENDED_OPEN_FILES}, or LimitNOFILE= in a systemd unit)"
     ), result.stderr
+
+
+def test_a_listener_that_runs_out_of_open_files_names_ulimit_n_not_its_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Past the pre-flight, the HTTP endpoint's bind under `ulimit -n 30` (an fs and a redis
+    # adapter open) read "--metrics-port 9090: cannot listen on ...: Too many open files",
+    # sending the operator after the port.
+    config = build_config(load_registry(), overrides={"l1_size_gb": 0.25})
+    monkeypatch.setattr(preflight, "open_files_limit", lambda: 30)
+    emfile = OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+    refused = preflight.listen_error(config, None, "127.0.0.1", 9090, emfile)
+    assert str(refused).startswith("ulimit -n 30: serve ran out of open files while starting"), refused
 
 
 def test_a_low_open_files_limit_is_warned_about_at_start(

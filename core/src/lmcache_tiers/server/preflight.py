@@ -195,6 +195,8 @@ def listen_error(config: ServerConfig, index: int | None, host: str, port: int, 
     """One line for listener ``index`` (None: the HTTP endpoint) that cannot bind
     ``host``:``port``, naming the setting to change."""
     number = exc.errno
+    if number == errno.EMFILE:  # the limit is what to change, not the setting of this listener
+        return open_files_refusal(open_files_limit(), while_starting=True)
     if host.startswith("ipc://"):
         reason = os.strerror(number) if number else str(exc)
         return SettingRefused(listener_setting(config, index, "host"), host, f"cannot listen there: {reason}")
