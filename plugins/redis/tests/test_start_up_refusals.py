@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from cli_config import CLI
-from lmcache_plugin_redis.testing import RedisServer
+from lmcache_plugin_redis.testing import RedisClusterNodes, RedisServer
 
 from lmcache_tiers.config import decode_adapter
 from lmcache_tiers.errors import ConfigError
@@ -43,6 +43,20 @@ def test_credentials_the_store_rejects_are_refused_at_start_up(
 ) -> None:
     with pytest.raises(ConfigError, match=r"refused the credentials .*check username and password"):
         open_adapter(url=redis_server.url, key_prefix=prefix, username="nobody-here", password=WRONG_PASSWORD)
+
+
+def test_credentials_a_cluster_rejects_are_refused_at_start_up(
+    redis_cluster: RedisClusterNodes, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # redis-py's cluster client wraps the seeds' refusal in a RedisClusterException
+    with pytest.raises(ConfigError, match="refused the credentials"):
+        open_adapter(
+            startup_nodes=redis_cluster.startup_nodes,
+            cluster_mode=True,
+            key_prefix=prefix,
+            username="nobody-here",
+            password=WRONG_PASSWORD,
+        )
 
 
 def test_a_database_the_store_does_not_have_is_refused_at_start_up(

@@ -609,14 +609,16 @@ class RedisBackend:
             self.client.ping()
         except NoPermissionError as exc:
             raise ConfigError(f"{self.context.name}: the Redis user may not run PING ({exc})") from None
-        except AuthenticationError as exc:
-            # The store answered: every call would fail on these credentials until its users
-            # or this config change, as with a command its ACL denies (refused below).
-            raise ConfigError(
-                f"{self.context.name}: {self.target} refused the credentials ({exc}): "
-                "check username and password (or the url's)"
-            ) from None
         except Exception as exc:  # RedisError, or RedisClusterException when no seed answers
+            # redis-py's cluster client raises its own exception, caused by the seed's
+            rejected = exc if isinstance(exc, AuthenticationError) else exc.__cause__
+            if isinstance(rejected, AuthenticationError):
+                # The store answered: every call would fail on these credentials until its
+                # users or this config change, as with a command its ACL denies (refused below).
+                raise ConfigError(
+                    f"{self.context.name}: {self.target} refused the credentials ({rejected}): "
+                    "check username and password (or the url's)"
+                ) from None
             if isinstance(exc, ResponseError) and str(exc).startswith("DB index is out of range"):
                 # Answered too, by a store with fewer databases: SELECT fails every connection.
                 pool = getattr(self.client, "connection_pool", None)
