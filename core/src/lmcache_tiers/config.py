@@ -593,6 +593,15 @@ def decode_component(
     return component.name, config
 
 
+def _require_component(registry: ComponentRegistry, kind: Kind, name: str, where: str) -> None:
+    """An installed component named by the config at ``where``: its unknown-name error
+    names the path too (and ``serve`` the flag that set it), as every config error does."""
+    try:
+        registry.get(kind, name)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} - at `{where}`") from None
+
+
 def decode_adapter(registry: ComponentRegistry, raw: Any, index: int) -> AdapterSpec:
     """Resolve one adapter spec (already parsed from JSON or TOML)."""
     return decode_adapter_at(registry, raw, f"$.l2_adapters[{index}]")
@@ -615,7 +624,12 @@ def decode_adapter_at(registry: ComponentRegistry, raw: Any, where: str, wrapper
     if not isinstance(config, L2AdapterConfig):
         raise ConfigError(f"{name}: its config Struct does not subclass L2AdapterConfig")
     if config.eviction is not None:
-        registry.get(Kind.EVICTION_POLICY, config.eviction.eviction_policy)
+        _require_component(
+            registry,
+            Kind.EVICTION_POLICY,
+            config.eviction.eviction_policy,
+            f"{where}.eviction.eviction_policy",
+        )
     serdes = tuple(
         SerdeSpec(type=s_name, config=s_config)
         for s_name, s_config in (
@@ -782,9 +796,9 @@ def build_config(
         else raw_lists["frontends"]
     )
     frontends = tuple(decode_frontend(registry, raw, i) for i, raw in enumerate(raw_frontends))
-    registry.get(Kind.EVICTION_POLICY, config.eviction_policy)
-    registry.get(Kind.STORE_POLICY, config.l2_store_policy)
-    registry.get(Kind.PREFETCH_POLICY, config.l2_prefetch_policy)
+    _require_component(registry, Kind.EVICTION_POLICY, config.eviction_policy, "$.eviction_policy")
+    _require_component(registry, Kind.STORE_POLICY, config.l2_store_policy, "$.l2_store_policy")
+    _require_component(registry, Kind.PREFETCH_POLICY, config.l2_prefetch_policy, "$.l2_prefetch_policy")
     return msgspec.structs.replace(
         config, l2_adapters=adapters, frontends=frontends or default_frontends(registry)
     )
