@@ -86,3 +86,27 @@ def test_serve_with_rejected_credentials_exits_2_in_one_line_without_the_passwor
     assert len(errors) == 1 and "refused the credentials" in errors[0], done.stderr
     assert "Traceback" not in done.stderr
     assert WRONG_PASSWORD not in done.stderr + done.stdout
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://127.0.0.1:6379/abc",
+        "redis://127.0.0.1:6379/1O",
+        "redis://127.0.0.1:6379/0/x",
+        "redis://127.0.0.1:6379/?db=abc",
+        "unix:///run/redis.sock?db=x",
+    ],
+)
+def test_a_url_database_that_is_not_a_number_is_refused_with_the_config(url: str) -> None:
+    # redis-py took "/abc" or "/1O" for database 0 without a word (another cache's, perhaps),
+    # and "?db=abc" failed the start with a bare ValueError (exit 1)
+    with pytest.raises(ConfigError, match=r"database .* is not a number .* - at `\$\.l2_adapters\[0\]\.url`"):
+        decode_adapter(load_registry(), {"type": "redis", "url": url}, 0)
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://127.0.0.1:6379", "redis://127.0.0.1:6379/", "redis://127.0.0.1:6379/3"]
+)
+def test_a_url_with_no_database_or_a_number_is_taken(url: str) -> None:
+    decode_adapter(load_registry(), {"type": "redis", "url": url}, 0)

@@ -251,7 +251,15 @@ class RedisConfig(L2AdapterConfig):
         if parsed.scheme != "unix" and not 0 < port < 65536:
             # the url itself is not shown: it may carry a password
             raise FieldError("url", "the url's port must be a number from 1 to 65535")
-        if "decode_responses" in urllib.parse.parse_qs(parsed.query, keep_blank_values=True):
+        in_query = urllib.parse.parse_qs(parsed.query, keep_blank_values=True)
+        in_path = parsed.path.strip("/") if parsed.scheme != "unix" else ""  # unix: the socket's
+        for database in [*in_query.get("db", []), *([in_path] if in_path else [])]:
+            if not (database.isascii() and database.isdigit()):
+                # redis-py takes a path it cannot read as database 0, silently: another cache's
+                raise FieldError(
+                    "url", f"the url's database {database!r} is not a number (give /N or ?db=N, e.g. /0)"
+                )
+        if "decode_responses" in in_query:
             # redis-py would hand the records back as text (any value of it, "false" too,
             # turns decoding on): headers and payloads are binary.
             raise FieldError("url", "decode_responses is not accepted in the url: objects are binary")
