@@ -110,3 +110,31 @@ def test_a_url_database_that_is_not_a_number_is_refused_with_the_config(url: str
 )
 def test_a_url_with_no_database_or_a_number_is_taken(url: str) -> None:
     decode_adapter(load_registry(), {"type": "redis", "url": url}, 0)
+
+
+@pytest.mark.parametrize(
+    ("url", "named"),
+    [
+        ("redis://127.0.0.1:6379/0?socket_timeout=abc", "socket_timeout"),  # was a bare ValueError
+        # the next three read as a store that "does not answer yet", and every call failed
+        ("redis://127.0.0.1:6379/0?ssl_cert_reqs=none", "ssl_cert_reqs"),  # TLS option, plain url
+        ("redis://127.0.0.1:6379/0?protocol=9", "protocol"),
+        ("redis://127.0.0.1:6379/0?sokcet_timeout=3", "sokcet_timeout"),
+    ],
+)
+def test_a_url_option_redis_py_refuses_is_refused_with_the_config(url: str, named: str) -> None:
+    with pytest.raises(
+        ConfigError, match=rf"refuses an option of the url: .*{named}.* - at `\$\.l2_adapters\[0\]\.url`"
+    ):
+        decode_adapter(load_registry(), {"type": "redis", "url": url}, 0)
+
+
+def test_url_options_redis_py_takes_are_taken() -> None:
+    for url in ("redis://127.0.0.1:6379/0?socket_timeout=3", "rediss://127.0.0.1:6379/0?ssl_cert_reqs=none"):
+        decode_adapter(load_registry(), {"type": "redis", "url": url}, 0)
+    # tls_enable makes a redis:// url TLS, whose options it then takes
+    decode_adapter(
+        load_registry(),
+        {"type": "redis", "url": "redis://h:6379/0?ssl_cert_reqs=none", "tls_enable": True},
+        0,
+    )

@@ -201,6 +201,24 @@ class RedisConfig(L2AdapterConfig):
             self._check_url_agrees(self.url)
             if self.tls_enable and self.url.startswith("unix:"):
                 raise FieldError("tls_enable", "TLS is not spoken over a unix:// socket; drop tls_enable")
+            self._check_url_options(self.url)
+
+    def _check_url_options(self, url: str) -> None:
+        """The url's options (``?socket_timeout=``, ``?ssl_cert_reqs=``, ...) as redis-py
+        takes them: a connection is made of it, not connected.  Otherwise an option it
+        cannot read failed the start with a bare ValueError, and one it refuses only when
+        it connects (an unknown name, an SSL option on a plain url, ``protocol=9``) read as
+        a store that does not answer yet, and every call failed for good."""
+        from redis import ConnectionPool  # lazily: listing plugins must not import redis-py
+        from redis.exceptions import RedisError
+
+        if self.tls_enable and url.startswith("redis:"):
+            url = "rediss" + url[len("redis") :]  # as the adapter connects
+        try:
+            ConnectionPool.from_url(url).make_connection()
+        except (ValueError, TypeError, RedisError) as exc:
+            # redis-py's messages name the option (an ssl_cert_reqs flag too), not a password
+            raise FieldError("url", f"redis-py refuses an option of the url: {exc}") from None
 
     def __repr__(self) -> str:
         # Never the password, nor the one inside the url (a repr may reach a log line).
