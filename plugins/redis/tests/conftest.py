@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from lmcache_plugin_redis.testing import RedisClusterNodes, RedisServer, missing_reason
 
-from lmcache_tiers.l2 import BackendAdapter
+from lmcache_tiers.config import decode_adapter
+from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
+from lmcache_tiers.plugins import load_registry
+from lmcache_tiers.registry import Kind
 
 # Helper modules of these tests (imported by name under pytest's importlib mode).
 sys.path.insert(0, str(Path(__file__).parent))
@@ -54,3 +58,20 @@ def opened() -> Iterator[list[BackendAdapter]]:
     yield adapters
     for adapter in adapters:
         adapter.close()
+
+
+@pytest.fixture
+def open_adapter(opened: list[BackendAdapter]) -> Callable[..., BackendAdapter]:
+    """Opens a ``redis`` adapter of the given fields, closed after the test."""
+
+    def make(**fields: Any) -> BackendAdapter:
+        registry = load_registry()
+        spec = decode_adapter(registry, {"type": "redis", **fields}, 0)
+        facts = AdapterContext(index=0, name="0:redis", config=spec.config)
+        component = registry.get(Kind.L2_ADAPTER, "redis")
+        adapter = create_adapter(component.load(), spec.config, facts, registry=registry, type_name="redis")
+        assert isinstance(adapter, BackendAdapter)
+        opened.append(adapter)
+        return adapter
+
+    return make

@@ -42,31 +42,15 @@ from lmcache_plugin_redis.writes import RecordHeaders
 from lmcache_tiers.config import L2EvictionConfig, decode_adapter
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
+from lmcache_tiers.l2 import BackendAdapter
 from lmcache_tiers.l2.circuit import CircuitBackend
 from lmcache_tiers.l2.record import encode_header
 from lmcache_tiers.plugins import load_registry
-from lmcache_tiers.registry import Kind
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import make_keys, pattern
 from lmcache_tiers.testing.l2_restarts import _eviction_controller
 
 WAIT_S = 30.0  # guards against hangs only
-
-
-@pytest.fixture
-def open_adapter(opened: list[BackendAdapter]) -> Callable[..., BackendAdapter]:
-    def make(**fields: Any) -> BackendAdapter:
-        spec = decode_adapter(load_registry(), {"type": "redis", **fields}, 0)
-        facts = AdapterContext(index=0, name="0:redis", config=spec.config)
-        registry = load_registry()
-        component = registry.get(Kind.L2_ADAPTER, "redis")
-        adapter = create_adapter(component.load(), spec.config, facts, registry=registry, type_name="redis")
-        assert isinstance(adapter, BackendAdapter)
-        opened.append(adapter)
-        return adapter
-
-    return make
 
 
 def client_of(adapter: BackendAdapter) -> BlockingAdapterClient:

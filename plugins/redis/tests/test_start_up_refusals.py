@@ -8,7 +8,6 @@ import json
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from cli_config import CLI
@@ -16,26 +15,10 @@ from lmcache_plugin_redis.testing import RedisClusterNodes, RedisServer
 
 from lmcache_tiers.config import decode_adapter
 from lmcache_tiers.errors import ConfigError
-from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
+from lmcache_tiers.l2 import BackendAdapter
 from lmcache_tiers.plugins import load_registry
-from lmcache_tiers.registry import Kind
 
 WRONG_PASSWORD = "the-wrong-pw"
-
-
-@pytest.fixture
-def open_adapter(opened: list[BackendAdapter]) -> Callable[..., BackendAdapter]:
-    def make(**fields: Any) -> BackendAdapter:
-        registry = load_registry()
-        spec = decode_adapter(registry, {"type": "redis", **fields}, 0)
-        facts = AdapterContext(index=0, name="0:redis", config=spec.config)
-        component = registry.get(Kind.L2_ADAPTER, "redis")
-        adapter = create_adapter(component.load(), spec.config, facts, registry=registry, type_name="redis")
-        assert isinstance(adapter, BackendAdapter)
-        opened.append(adapter)
-        return adapter
-
-    return make
 
 
 def test_credentials_the_store_rejects_are_refused_at_start_up(
