@@ -10,6 +10,7 @@ not READY yet does not end the lookup there."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from engine_support import (
@@ -25,6 +26,7 @@ from engine_support import (
 
 from lmcache_tiers.config import AdapterSpec
 from lmcache_tiers.controllers.prefetch import PROBE_MIN_KEYS
+from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.interface import LookupResult
 from lmcache_tiers.storage import StorageManager
 
@@ -173,26 +175,40 @@ def test_a_repeat_right_past_l1_s_prefix_asks_no_adapter(engine: Engine) -> None
     assert_nothing_held(storage)
 
 
+def commit_written(storage: StorageManager, reserved: dict[ObjectKey, Any], keys: list[ObjectKey]) -> None:
+    """Fill the L1 objects ``reserved`` for ``keys`` with their payloads and commit them."""
+    for key in keys:
+        storage.view(reserved[key])[:] = payload(key, SIZE)
+    storage.commit_write(keys)
+
+
+def load_after_the_parked(
+    storage: StorageManager, parked: int, parked_keys: list[ObjectKey], handle: int, prompt: list[ObjectKey]
+) -> None:
+    """Open the ``gated`` adapter's gate: the parked prefetch (of ``parked_keys``) ends,
+    then the one of ``handle`` loads every key of ``prompt``, each with its own bytes;
+    both prefetches' locks and the read's are given back."""
+    gated_backend(storage).gate.set()
+    assert storage.wait_prefetch(parked, 10) == 1
+    storage.release(parked_keys)
+    assert storage.wait_prefetch(handle, 10) == len(prompt)
+    objects = storage.read(prompt)
+    assert [bytes(storage.view(obj)) for obj in objects] == [payload(key, SIZE) for key in prompt]
+    storage.release(prompt, 2)
+
+
 def test_a_key_being_written_in_l1_right_past_its_prefix_does_not_end_the_lookup(engine: Engine) -> None:
     # Its writer may commit it before the request starts, extending the L1 prefix (as it
     # does for any request queued): the keys after it in L2 are then loaded as before.
     storage = engine([AdapterSpec(type="gated_now", config=GatedConfig())], l2_prefetch_max_in_flight=1)
-    backend = gated_backend(storage)
     prompt = keys_of(45, COUNT)
     store(storage, prompt[1:], SIZE)
     parked = parked_prefetch(storage, keys_of(44, 1), SIZE)  # holds the one slot
     writing = storage.reserve_write(prompt[:1], [SIZE])  # in L1, not READY, not in L2
     handle, locked = storage.start_prefetch(prompt)
     assert locked is None, "queued behind the parked prefetch, not settled at the key being written"
-    storage.view(writing[prompt[0]])[:] = payload(prompt[0], SIZE)
-    storage.commit_write(prompt[:1])
-    backend.gate.set()
-    assert storage.wait_prefetch(parked, 10) == 1
-    storage.release(keys_of(44, 1))
-    assert storage.wait_prefetch(handle, 10) == COUNT
-    objects = storage.read(prompt)
-    assert [bytes(storage.view(obj)) for obj in objects] == [payload(key, SIZE) for key in prompt]
-    storage.release(prompt, 2)
+    commit_written(storage, writing, prompt[:1])
+    load_after_the_parked(storage, parked, keys_of(44, 1), handle, prompt)
     assert_nothing_held(storage)
 
 
@@ -316,7 +332,6 @@ def test_a_queued_lookup_whose_first_keys_became_ready_in_l1_drops_their_pins_on
     # the request: when its first keys are written to L1 while it is queued, that answer
     # shrinks to the keys still left, each pin dropped once, the others loaded.
     storage = engine([AdapterSpec(type="gated_now", config=GatedConfig())], l2_prefetch_max_in_flight=1)
-    backend = gated_backend(storage)
     prompt = keys_of(50, COUNT)
     store_in_l2_only(storage, prompt, SIZE)
     parked = parked_prefetch(storage, keys_of(51, 1), SIZE)  # holds the one slot
@@ -325,17 +340,8 @@ def test_a_queued_lookup_whose_first_keys_became_ready_in_l1_drops_their_pins_on
     handle, locked = storage.start_prefetch(prompt)
     assert locked is None, "queued behind the parked prefetch"
     assert asked(storage) == 1 + 1 + COUNT, "the parked key, the other reader's, then each key once"
-    written = storage.reserve_write(prompt[:3], [SIZE] * 3)
-    for key in prompt[:3]:
-        storage.view(written[key])[:] = payload(key, SIZE)
-    storage.commit_write(prompt[:3])
-    backend.gate.set()
-    assert storage.wait_prefetch(parked, 10) == 1
-    storage.release(keys_of(51, 1))
-    assert storage.wait_prefetch(handle, 10) == COUNT
-    objects = storage.read(prompt)
-    assert [bytes(storage.view(obj)) for obj in objects] == [payload(key, SIZE) for key in prompt]
-    storage.release(prompt, 2)
+    commit_written(storage, storage.reserve_write(prompt[:3], [SIZE] * 3), prompt[:3])
+    load_after_the_parked(storage, parked, keys_of(51, 1), handle, prompt)
     assert storage.flush(10)
     assert l2.pinned_keys() == {prompt[0]: 1}, "its pin on the first key dropped once"
     l2.unlock(prompt[:1])
