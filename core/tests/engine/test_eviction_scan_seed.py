@@ -12,6 +12,7 @@ the listing is not written twice (a second write reads as a second use).
 from __future__ import annotations
 
 import threading
+import uuid
 from collections import Counter
 from collections.abc import Iterator, Sequence
 
@@ -68,7 +69,9 @@ def adapter(monkeypatch: pytest.MonkeyPatch) -> Iterator[BackendAdapter]:
     ScanListsLast.first_listing_taken = False
     # The whole scan on its thread, so that its listing runs after the controller's.
     monkeypatch.setattr(scan_module, "FOREGROUND_ENTRIES", 0)
-    namespace = f"scan-seed-{id(monkeypatch)}"
+    # A namespace of its own: the dicts outlive a test, and an id() is reused by the next
+    # test's fixture as soon as this one's object is freed, which then saw these keys.
+    namespace = f"scan-seed-{uuid.uuid4().hex}"
     opened = open_dict(ScanListsLast, namespace=namespace, capacity=OBJECTS * SIZE)
     yield opened
     ScanListsLast.released.set()
