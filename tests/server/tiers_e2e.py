@@ -88,6 +88,10 @@ class ServerProcess:
         self.shm_path.unlink(missing_ok=True)
 
 
+#: start-ups tried on new free ports when a port found free was taken before the server bound it
+_PORT_RACE_TRIES = 3
+
+
 def start_server(
     log_dir: Path,
     *,
@@ -101,7 +105,34 @@ def start_server(
     """Start a server subprocess on free loopback ports and wait until it listens; ``url``
     is the address of the front ends that give no port of their own (``--port``).  It
     starts with ``ignored_signals`` ignored, as under ``nohup`` (see
-    :func:`stop_signals_at_default`)."""
+    :func:`stop_signals_at_default`).
+
+    A port found free can be taken by another process (another test's server, a store's
+    own listener) before the server binds it; the server then refuses to start ("is
+    already in use", exit 2), and it is started again on new ports -- unless the test gave
+    the ports itself."""
+    for attempt in range(1, _PORT_RACE_TRIES + 1):
+        try:
+            return _start_server(log_dir, adapters, frontends, metrics, env, ignored_signals, config)
+        except _PortTaken:
+            if attempt == _PORT_RACE_TRIES or "port" in config or "metrics_port" in config:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+
+class _PortTaken(AssertionError):
+    """The server refused to start: a port it was given was in use by then."""
+
+
+def _start_server(
+    log_dir: Path,
+    adapters: list[dict[str, Any]] | None,
+    frontends: list[dict[str, Any]] | None,
+    metrics: bool,
+    env: dict[str, str] | None,
+    ignored_signals: Collection[int],
+    config: dict[str, Any],
+) -> ServerProcess:
     log_dir.mkdir(parents=True, exist_ok=True)
     shm_name = f"tiers_test_{uuid.uuid4().hex[:12]}"
     port, metrics_port = free_ports(2)
@@ -130,7 +161,9 @@ def start_server(
     deadline = time.monotonic() + START_TIMEOUT_S
     while not ready.exists():
         if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode} during start-up\n{server.output()}")
+            output = server.output()
+            failure = _PortTaken if proc.returncode == 2 and "is already in use" in output else AssertionError
+            raise failure(f"server exited with {proc.returncode} during start-up\n{output}")
         if time.monotonic() > deadline:
             server.stop(signal.SIGKILL)
             raise AssertionError(f"server did not start within {START_TIMEOUT_S}s\n{server.output()}")
