@@ -288,7 +288,7 @@ class PrefetchController(ControllerThread):
             self._locks.unpin_slot(slot, keys[:1])
         if rest is None:
             return None
-        return LookupResult([False] * len(keys), [0] * len(keys))  # (the rest's hits unpinned)
+        return LookupResult.misses(len(keys))  # (the rest's hits unpinned)
 
     def _look_up_now(
         self,
@@ -312,8 +312,7 @@ class PrefetchController(ControllerThread):
             if slot.index in failed:
                 result = failed[slot.index]
                 if result is not None:  # malformed, counted: nothing pinned
-                    count = len(request.remaining)
-                    result = LookupResult([False] * count, [0] * count)
+                    result = LookupResult.misses(len(request.remaining))
             elif slot.index in probed:
                 result = self._ask_rest_now(slot, request.remaining, probed[slot.index], failed)
                 del probed[slot.index]  # its pin is the request's now, or given back
@@ -445,9 +444,8 @@ class PrefetchController(ControllerThread):
 
     def _record_lookup(self, slot: AdapterSlot, request: PrefetchRequest, result: LookupResult) -> None:
         """Keep one adapter's answer for ``request.remaining``, and the pins it took."""
-        count = len(request.remaining)
         if not self._well_formed(slot, request.remaining, result):
-            result = LookupResult([False] * count, [0] * count)
+            result = LookupResult.misses(len(request.remaining))
         request.found[slot.index] = result
         hits = [key for key, hit in zip(request.remaining, result.found, strict=True) if hit]
         request.pinned[slot.index] = hits

@@ -36,6 +36,11 @@ class LookupResult(NamedTuple):
     #: bytes an L1 object needs to receive the key (its decoded size); 0 for misses
     sizes: list[int]
 
+    @classmethod
+    def misses(cls, count: int) -> LookupResult:
+        """A miss of each of ``count`` keys (nothing pinned)."""
+        return cls([False] * count, [0] * count)
+
 
 class LoadResult(list[bool]):
     """Result of one ``submit_load`` task: success per key (a list of bools, as before),

@@ -15,7 +15,7 @@ from lmcache_tiers.l2.interface import L2Op, LookupResult
 def failure_result(op: L2Op, count: int) -> list[bool] | LookupResult:
     """What a task of ``count`` keys reports when it could not run at all."""
     if op is L2Op.LOOKUP:
-        return LookupResult([False] * count, [0] * count)
+        return LookupResult.misses(count)
     return [False] * count
 
 
