@@ -71,11 +71,20 @@ def test_sizes(text: int | str, size: int) -> None:
     assert parse_size(text, "global_segment_size") == size
 
 
+@pytest.mark.parametrize("size", [0, "16MiB", 16 << 20, "3355443200"])
+def test_segments_of_none_or_of_mooncakes_smallest_size_and_more_are_accepted(size: int | str) -> None:
+    assert decode(global_segment_size=size).global_segment_size == size
+
+
 @pytest.mark.parametrize(
     ("fields", "match"),
     [
         ({"global_segment_size": "lots"}, r"\$\.l2_adapters\[0\]\.global_segment_size"),
         ({"local_buffer_size": -1}, "local_buffer_size"),
+        ({"global_segment_size": "1KB"}, r"'1KB' is under Mooncake's smallest segment, 16MiB"),
+        ({"global_segment_size": (16 << 20) - 1}, r"global_segment_size`"),
+        ({"global_segment_size": "99999999999999999999"}, r"more bytes than Mooncake takes"),
+        ({"local_buffer_size": 1 << 64}, r"more bytes than Mooncake takes.*local_buffer_size`"),
         ({"protocol": "rdma"}, "protocol"),
         ({"num_workers": 0}, "num_workers"),
         ({"operation_timeout_s": 0}, "operation_timeout_s"),

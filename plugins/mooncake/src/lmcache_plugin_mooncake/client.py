@@ -31,7 +31,7 @@ from typing import Any
 from lmcache_plugin_mooncake.calls import CallPool, CallTimeout
 from lmcache_plugin_mooncake.config import MooncakeStoreConfig
 from lmcache_plugin_mooncake.headers import HeaderLanes, address_of
-from lmcache_tiers.plugin import BackendUnavailableError, TiersError
+from lmcache_tiers.plugin import BackendUnavailableError, ConfigError, TiersError
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ ERROR_NAMES = {
     -900: "master RPC failed",
     -901: "master RPC timed out",
 }
+INVALID_PARAMS = -600
 NOT_FOUND = -704
 EXISTS = -705
 NO_ROOM = -200
@@ -78,6 +79,11 @@ class MooncakeError(TiersError):
 
 class MooncakeUnavailable(MooncakeError):
     """No connected Mooncake client (yet): the call was not made."""
+
+
+class SetupRefused(MooncakeError):
+    """Mooncake refused to set up a client with what the config asks for (memory it cannot
+    allocate): another attempt fails the same way."""
 
 
 class MasterUnreachable(MooncakeError):
@@ -151,6 +157,11 @@ class Connection:
         self._store: Any = None
         self._lock = threading.Lock()
         self._connected = threading.Event()
+        #: set once ``start`` need wait no longer: connected, or the set-up refused
+        self._settled = threading.Event()
+        #: while ``start`` waits: a set-up refusal then fails the start (``refusal``)
+        self._starting = False
+        self.refusal: SetupRefused | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_error = "not connected yet"
@@ -171,13 +182,37 @@ class Connection:
         self._on_unclosed_closed = on_unclosed_closed
 
     def start(self, wait_s: float) -> bool:
-        """Import the client, start connecting; True if connected within ``wait_s``."""
+        """Import the client, start connecting; True if connected within ``wait_s``.
+
+        ``ConfigError`` when Mooncake refuses the set-up meanwhile (``SetupRefused``): the
+        server does not start with a config no attempt can serve, where it would retry
+        for good as if the master did not answer."""
         self._module = import_store_module()
         self._thread = threading.Thread(
             target=self._connect_loop, name=f"mooncake-{self.name}-connect", daemon=True
         )
+        self._starting = True
         self._thread.start()
-        return self._connected.wait(wait_s)
+        self._settled.wait(wait_s)
+        with self._lock:
+            self._starting = False
+            refusal = self.refusal
+        if refusal is not None:
+            raise ConfigError(f"{self.name}: {refusal}")
+        return self.connected
+
+    def _refuses_start(self, exc: Exception) -> bool:
+        """True if ``exc`` ends the connection attempts by failing ``start`` (a refusal
+        while it waits); later refusals are retried like any failure (the memory may
+        free up), their cause in the log."""
+        if not isinstance(exc, SetupRefused):
+            return False
+        with self._lock:
+            if not self._starting:
+                return False
+            self.refusal = exc
+        self._settled.set()
+        return True
 
     @property
     def module(self) -> Any:
@@ -243,6 +278,8 @@ class Connection:
             except Exception as exc:  # a set-up failure is retried, never raised
                 self.failures += 1
                 self.last_error = str(exc)
+                if self._refuses_start(exc):
+                    return
                 log = logger.warning if self.failures in (1, 10) or self.failures % 100 == 0 else logger.debug
                 log(
                     "%s: Mooncake set-up failed (attempt %d): %s; retrying in %.0fs",
@@ -261,6 +298,7 @@ class Connection:
                     return
                 self._store = store
             self._connected.set()
+            self._settled.set()
             logger.info(
                 "%s: connected to the Mooncake master at %s (lending %d bytes to the pool)",
                 self.name,
@@ -277,14 +315,30 @@ class Connection:
                 "%s: Mooncake set-up with %s", self.name, ", ".join(f"{k}={v}" for k, v in applied.items())
             )
             store = self._module.MooncakeDistributedStore()
-            code = store.setup(
-                config.local_hostname,
-                config.metadata_server,
-                config.segment_bytes,
-                config.local_buffer_bytes,
-                config.protocol,
-                "",  # RDMA devices: none with TCP
-                config.master_server_address,
+            try:
+                code = store.setup(
+                    config.local_hostname,
+                    config.metadata_server,
+                    config.segment_bytes,
+                    config.local_buffer_bytes,
+                    config.protocol,
+                    "",  # RDMA devices: none with TCP
+                    config.master_server_address,
+                )
+            except MemoryError as exc:  # std::bad_alloc of the transfer buffer
+                _close_quietly(store)
+                raise SetupRefused(
+                    f"local_buffer_size {config.local_buffer_size!r}: Mooncake cannot allocate a transfer "
+                    f"buffer of {config.local_buffer_bytes} bytes ({exc}); give a smaller one"
+                ) from exc
+        if code == INVALID_PARAMS:
+            # What the set-up answers when it cannot allocate the segment (Mooncake's log
+            # says "Failed to allocate segment memory"): the config's, not the master's.
+            _close_quietly(store)
+            raise SetupRefused(
+                f"global_segment_size {config.global_segment_size!r}: Mooncake refused its set-up "
+                f"({describe(code)}), as it does when it cannot allocate a segment of "
+                f"{config.segment_bytes} bytes on this host; lend less, or 0"
             )
         if code != 0:
             _close_quietly(store)

@@ -26,6 +26,10 @@ from lmcache_tiers.plugin import FieldError, L2AdapterConfig, SizeGiB, check_siz
 #: LMCache's defaults for the two sizes (its ``mooncake_store`` connector)
 DEFAULT_SEGMENT_BYTES = 3355443200
 DEFAULT_LOCAL_BUFFER_BYTES = 16 << 20
+#: the smallest segment Mooncake mounts: its set-up refuses a smaller one (-600)
+MIN_SEGMENT_BYTES = 16 << 20
+#: Mooncake takes sizes as 64-bit unsigned integers
+MAX_SIZE_BYTES = (1 << 64) - 1
 #: mooncake_master's RPC service on this host (its default --rpc_port)
 DEFAULT_MASTER_ADDRESS = "127.0.0.1:50051"
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -47,13 +51,18 @@ def parse_size(value: int | str, field: str) -> int:
     if isinstance(value, bool):
         raise FieldError(field, f"{value!r} is not a size")
     if isinstance(value, int):
-        if value < 0:
-            raise FieldError(field, f"{value} is negative")
-        return value
-    match = _SIZE.match(value)
-    if match is None:
-        raise FieldError(field, f"{value!r} is not a size (bytes, or a number with KB, MB, GB or TB)")
-    return int(match.group(1)) * _UNITS[match.group(2).lower()]
+        size = value
+    else:
+        match = _SIZE.match(value)
+        if match is None:
+            raise FieldError(field, f"{value!r} is not a size (bytes, or a number with KB, MB, GB or TB)")
+        size = int(match.group(1)) * _UNITS[match.group(2).lower()]
+    if size < 0:
+        raise FieldError(field, f"{value} is negative")
+    if size > MAX_SIZE_BYTES:
+        # Past it, Mooncake's set-up raised a TypeError on every connection attempt.
+        raise FieldError(field, f"{value!r} is more bytes than Mooncake takes (at most 2**64 - 1)")
+    return size
 
 
 def _shown(address: str) -> str:
@@ -158,8 +167,9 @@ class MooncakeStoreConfig(L2AdapterConfig):
         Size,
         msgspec.Meta(
             description=(
-                "Memory this server lends to the pool; objects in it vanish when the server "
-                "stops. 0: lend none (objects live in other clients' segments, e.g. mooncake_client)."
+                "Memory this server lends to the pool, at least 16MiB (Mooncake's smallest "
+                "segment); objects in it vanish when the server stops. 0: lend none (objects "
+                "live in other clients' segments, e.g. mooncake_client)."
             )
         ),
     ] = DEFAULT_SEGMENT_BYTES
@@ -221,6 +231,14 @@ class MooncakeStoreConfig(L2AdapterConfig):
         check_size_gib("max_capacity_gb", self.max_capacity_gb)
         for field in ("global_segment_size", "local_buffer_size"):
             parse_size(getattr(self, field), field)
+        if 0 < self.segment_bytes < MIN_SEGMENT_BYTES:
+            # Mooncake's set-up refuses it on every attempt, which read as a master not
+            # answering.
+            raise FieldError(
+                "global_segment_size",
+                f"{self.global_segment_size!r} is under Mooncake's smallest segment, 16MiB "
+                f"({MIN_SEGMENT_BYTES} bytes); 0 lends none",
+            )
         for field in ("metadata_server", "master_server_address", "master_server_addr", "master_metrics_url"):
             value = getattr(self, field)
             if value is not None and _has_credentials(value):

@@ -1,0 +1,46 @@
+"""A set-up Mooncake refuses for what the config asks (memory it cannot allocate) fails
+the adapter's start, naming the field, instead of being retried for good as if the
+master did not answer."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from lmcache_plugin_mooncake.cluster import LocalCluster
+from mooncake_helpers import config_for, open_adapter
+
+from lmcache_tiers.errors import ConfigError
+
+#: more memory than any host can map: Mooncake's set-up cannot allocate it
+UNALLOCATABLE = 1 << 60
+
+
+def _connect_threads() -> list[threading.Thread]:
+    return [
+        thread
+        for thread in threading.enumerate()
+        if thread.name.startswith("mooncake-") and "connect" in thread.name
+    ]
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        (
+            {"global_segment_size": UNALLOCATABLE},
+            r"^0:mooncake_store: global_segment_size 1152921504606846976: ",
+        ),
+        ({"local_buffer_size": UNALLOCATABLE}, r"^0:mooncake_store: local_buffer_size 1152921504606846976: "),
+    ],
+)
+def test_a_size_mooncake_cannot_allocate_fails_the_start_naming_its_field(
+    mooncake_pool: LocalCluster, fields: dict[str, int], match: str
+) -> None:
+    before = set(_connect_threads())
+    with pytest.raises(ConfigError, match=match):
+        open_adapter(config_for(mooncake_pool, **fields))
+    left = [thread for thread in _connect_threads() if thread not in before]
+    for thread in left:
+        thread.join(30)
+    assert not [thread for thread in left if thread.is_alive()], "no more connection attempts"
