@@ -27,6 +27,15 @@ from lmcache_tiers.testing.serde import (
 BOUNDS = {"e4m3fn": (2.0**-4, 2.0**-6, 2.0**-10), "e5m2": (2.0**-3, 2.0**-14, 2.0**-17)}
 #: unit roundoff of the dtype the values are restored to
 ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-24, "float64": 2.0**-24}
+#: (smallest normal, half the spacing of the subnormals) of that dtype, float32's for float64
+#: (its values are scaled in float32): a value restored below the smallest normal is rounded
+#: by up to that half spacing, not by u
+SUBNORMALS = {
+    "bfloat16": (2.0**-126, 2.0**-134),
+    "float16": (2.0**-14, 2.0**-25),
+    "float32": (2.0**-126, 2.0**-150),
+    "float64": (2.0**-126, 2.0**-150),
+}
 TORCH_DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -55,9 +64,10 @@ def check_bound(original: bytes, decoded: bytes, layout: str, fmt: str, granular
     error = np.abs(y - x)
     normal = np.abs(x) >= scale * smallest_normal
     u = ROUNDOFF[dtype]
+    smallest_restored_normal, subnormal_rounding = SUBNORMALS[dtype]
     allowed = np.where(
         normal, (relative + u + relative * u) * np.abs(x), (absolute * scale) * (1 + u) + u * np.abs(x)
-    )
+    ) + np.where(np.abs(y) < smallest_restored_normal, subnormal_rounding, 0.0)
     worst = float((error - allowed * (1 + 1e-6)).max())
     assert worst <= 0, f"{fmt}/{granularity}: an element exceeds the bound by {worst}"
     nonzero = x != 0
@@ -291,3 +301,17 @@ def test_a_frame_of_another_layout_than_its_record_states_is_refused() -> None:
         context = SerdeContext(suite_key(), len(data), record_layout=record_layout)
         assert len(serde.decode(memoryview(frame), context)) == len(data)
     assert serde.stats()["decoded_objects"] == 2
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+def test_float16_values_in_its_subnormal_range_meet_the_documented_bound(fmt: str) -> None:
+    """float16's subnormals (below 2^-14) are spaced 2^-24 apart: a value restored there is
+    rounded by up to 2^-25 whatever its size, so the smallest (a few multiples of 2^-24) are
+    off by a large fraction of themselves beyond fp8's relative error.  The bound states it."""
+    values = torch.randn(64, 128, generator=torch.Generator().manual_seed(24)) * 3e-7
+    data = values.to(torch.float16).view(torch.uint8).numpy().tobytes()
+    layout = "float16[64,128]"
+    serde = Fp8Serde(Fp8Config(format=fmt))  # type: ignore[arg-type]
+    frame = _encode(serde, data, layout)
+    assert serde.stats()["quantized_objects"] == 1
+    check_bound(data, _decode(serde, frame, len(data)), layout, fmt, "tensor")
