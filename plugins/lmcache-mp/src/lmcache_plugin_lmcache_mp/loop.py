@@ -291,8 +291,11 @@ class MPServer:
         earlier = f" ({held} more not logged)" if held else ""
         # Names and ids come from clients: escaped, so they cannot forge log lines.
         ids = f"uid {printable(uid)}" + (f", request_id {printable(request_id)}" if request_id else "")
+        # The line does not say LMCache's server refuses the same: some refusals here are
+        # departures it serves (a registration of an empty model name, LMCache-driven
+        # transfers), and a reason that does (num_kv_readers 0) says so itself.
         logger.warning(
-            "%s: %s (%s) not answered, as LMCache's server would not: %s [%s]%s",
+            "%s: %s (%s) not answered (the protocol has no error replies): %s [%s]%s",
             self.name,
             printable(name, 64),
             ids,
