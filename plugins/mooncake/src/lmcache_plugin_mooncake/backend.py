@@ -341,9 +341,8 @@ class MooncakeStoreBackend:
     def open(self) -> None:
         if not self.connection.start(wait_s=self.timeout):
             logger.warning(
-                "%s: not connected to the Mooncake master at %s yet (%s); calls fail until it answers",
+                "%s: not connected to the Mooncake pool yet (%s); calls fail until it is, set-up retried",
                 self.context.name,
-                self.config.master_server_address,
                 self.connection.last_error,
             )
         if self.config.master_metrics_url is None and self.config.capacity_bytes:

@@ -30,6 +30,7 @@ from typing import Any
 
 from lmcache_plugin_mooncake.calls import CallPool, CallTimeout
 from lmcache_plugin_mooncake.config import MooncakeStoreConfig
+from lmcache_plugin_mooncake.diagnosis import unanswered_services
 from lmcache_plugin_mooncake.headers import HeaderLanes, address_of
 from lmcache_tiers.plugin import BackendUnavailableError, ConfigError, TiersError
 
@@ -60,6 +61,8 @@ _RETRY_MAX_S = 30.0
 #: Mooncake's reconnection to a master that failed a call (about 4 s, fixed): how long a
 #: call given up then may stay inside besides its timeouts
 RECONNECT_S = 5.0
+#: longest each service is asked after a failed set-up (see ``unanswered_services``)
+_DIAGNOSIS_TIMEOUT_S = 2.0
 #: how long a client left unclosed is offered its close again (see ``_keep_until_answered``)
 _UNCLOSED_RETRY_FOR_S = 60.0
 INSTALL_HINT = (
@@ -228,8 +231,7 @@ class Connection:
         with self._lock:
             store = self._store
         if store is None:
-            address = self.config.master_server_address
-            raise MooncakeUnavailable(f"not connected to the Mooncake master at {address}: {self.last_error}")
+            raise MooncakeUnavailable(f"not connected to the Mooncake pool: {self.last_error}")
         return store
 
     @contextmanager
@@ -342,7 +344,9 @@ class Connection:
             )
         if code != 0:
             _close_quietly(store)
-            raise MooncakeError(f"setup returned {describe(code)}")
+            # Mooncake answers -1 for every service it could not use: name the one.
+            found = unanswered_services(config, min(config.operation_timeout_s, _DIAGNOSIS_TIMEOUT_S))
+            raise MooncakeError(f"setup returned {describe(code)}: {found}")
         code = store.register_buffer(self.lanes.address, self.lanes.size)
         if code != 0:
             _close_quietly(store)

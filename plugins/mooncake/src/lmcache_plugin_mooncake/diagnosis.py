@@ -1,0 +1,99 @@
+"""Which service a failed Mooncake set-up could not use, named by its config field.
+
+Mooncake's set-up answers ``-1`` whether the master does not answer, the metadata server
+does not, or ``master_server_address`` is some other service's port; its own log lines
+say which, among many others.  After such a failure the adapter asks each service
+itself, so that its warning names the field to check.
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import urllib.error
+import urllib.parse
+import urllib.request
+
+from lmcache_plugin_mooncake.config import MooncakeStoreConfig
+
+__all__ = ["unanswered_services"]
+
+#: the key asked of the metadata server (never stored)
+_PROBE_KEY = "lmcache-tiers-setup-probe"
+
+
+def unanswered_services(config: MooncakeStoreConfig, timeout_s: float) -> str:
+    """What failed set-up's services say when asked, each named by its field: those that
+    do not answer as they should, or that both do (then the cause is in Mooncake's log)."""
+    problems = [
+        problem
+        for problem in (
+            _master_problem(config.master_server_address, timeout_s),
+            _metadata_problem(config, timeout_s),
+        )
+        if problem is not None
+    ]
+    if problems:
+        return "; ".join(problems)
+    return (
+        f"master_server_address {config.master_server_address} and metadata_server "
+        f"{config.metadata_server} both accept connections (Mooncake's log says more)"
+    )
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _master_problem(address: str, timeout_s: float) -> str | None:
+    """Why ``address`` is not a master's RPC port, or None if it may be one."""
+    host, port = _split(address)
+    try:
+        connection = socket.create_connection((host, port), timeout=timeout_s)
+    except OSError as exc:
+        return f"master_server_address {address} does not answer ({_reason(exc)})"
+    connection.close()
+    # The RPC port closes a connection that sends it HTTP; an HTTP server (the master's
+    # metadata or metrics port, given by mistake) answers it.
+    probe = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        probe.request("GET", "/")
+        status = probe.getresponse().status
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        probe.close()
+    return (
+        f"master_server_address {address} is an HTTP server (it answered {status}), not "
+        "mooncake_master's RPC port (--rpc_port)"
+    )
+
+
+def _metadata_problem(config: MooncakeStoreConfig, timeout_s: float) -> str | None:
+    """Why the HTTP metadata server does not serve, or None if it answers (other kinds
+    of metadata service are not asked)."""
+    url = config.metadata_server
+    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+        return None
+    separator = "&" if "?" in url else "?"
+    try:
+        with urllib.request.urlopen(f"{url}{separator}key={_PROBE_KEY}", timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError:
+        return None  # it answered (no such key)
+    except urllib.error.URLError as exc:
+        reason = exc.reason if isinstance(exc.reason, BaseException) else OSError(str(exc.reason))
+        return f"metadata_server {url} does not answer ({_reason(reason)})"
+    except (OSError, http.client.HTTPException) as exc:
+        return f"metadata_server {url} does not answer as an HTTP metadata server ({_reason(exc)})"
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, (TimeoutError, socket.timeout)):
+        return "no answer in time"
+    if isinstance(exc, socket.gaierror):
+        return f"unknown host: {exc.strerror}"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

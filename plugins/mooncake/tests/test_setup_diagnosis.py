@@ -1,0 +1,57 @@
+"""A set-up that fails names the service it could not use by its config field: Mooncake
+answers -1 alike for a master that is down, a metadata server that is down, and a
+master address that is another service's port."""
+
+from __future__ import annotations
+
+import pytest
+from lmcache_plugin_mooncake.cluster import LocalCluster, free_port
+from lmcache_plugin_mooncake.diagnosis import unanswered_services
+from mooncake_helpers import backend_of, config_for, eventually, open_adapter
+
+TIMEOUT_S = 2.0
+
+
+def test_a_pool_that_answers_is_said_to(mooncake_pool: LocalCluster) -> None:
+    found = unanswered_services(config_for(mooncake_pool), TIMEOUT_S)
+    assert found.startswith(
+        f"master_server_address {mooncake_pool.master_server_address} and metadata_server"
+    )
+    assert found.endswith("both accept connections (Mooncake's log says more)")
+
+
+def test_a_master_address_nobody_listens_on_is_named(mooncake_pool: LocalCluster) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    found = unanswered_services(config_for(mooncake_pool, master_server_address=address), TIMEOUT_S)
+    assert found == f"master_server_address {address} does not answer (connection refused)"
+
+
+@pytest.mark.parametrize("port", ["metadata_port", "metrics_port"])
+def test_a_master_address_of_an_http_port_is_named(mooncake_pool: LocalCluster, port: str) -> None:
+    address = f"127.0.0.1:{getattr(mooncake_pool, port)}"
+    found = unanswered_services(config_for(mooncake_pool, master_server_address=address), TIMEOUT_S)
+    assert found.startswith(f"master_server_address {address} is an HTTP server (it answered ")
+    assert found.endswith("not mooncake_master's RPC port (--rpc_port)")
+
+
+def test_a_metadata_server_on_the_masters_rpc_port_is_named(mooncake_pool: LocalCluster) -> None:
+    url = f"http://{mooncake_pool.master_server_address}/metadata"
+    found = unanswered_services(config_for(mooncake_pool, metadata_server=url), TIMEOUT_S)
+    assert found.startswith(f"metadata_server {url} does not answer as an HTTP metadata server (")
+
+
+def test_an_adapter_whose_metadata_server_is_down_says_so_not_that_the_master_is(
+    mooncake_pool: LocalCluster,
+) -> None:
+    url = f"http://127.0.0.1:{free_port()}/metadata"
+    adapter = open_adapter(config_for(mooncake_pool, metadata_server=url, operation_timeout_s=1.0))
+    try:
+        connection = backend_of(adapter).connection
+        eventually(lambda: connection.failures >= 1, what="a failed set-up")
+        assert (
+            connection.last_error
+            == f"setup returned -1: metadata_server {url} does not answer (connection refused)"
+        )
+        assert adapter.stats()["connected"] == 0
+    finally:
+        adapter.close()
