@@ -238,6 +238,8 @@ def test_key_file_encodings(tmp_path: Path, content: bytes) -> None:
     [
         (KEY[:16], "found 16 bytes"),
         (KEY + b"!", "found 33 bytes"),
+        # only the text forms may end in a newline: 32 raw bytes are the whole file
+        (KEY + b"\n", "found 33 bytes"),
         (b"zz" * 32, "found 64 bytes"),
         (bytes(32), "all-zero"),
         (b"k" * 5000, "larger than 4096"),
