@@ -35,3 +35,13 @@ def test_no_segment_at_all_is_not_about_the_directory() -> None:
     pytest.importorskip("torch", reason="allow_pickle needs torch on the server")
     server = ServerConfig(l1_shm_dir="/mnt/lmcache-l1", no_shm=True)
     LMCacheMPConfig(allow_pickle=True).check(server, None)
+
+
+def test_no_segment_without_pickled_chunks_names_every_flag_that_turns_it_off() -> None:
+    """LMCache's own server reads ``--shm-name ""`` as "no segment" too: a command line
+    carried over with it is told that this is why the front end cannot start."""
+    with pytest.raises(ConfigError) as caught:
+        LMCacheMPConfig().check(ServerConfig(no_shm=True), None)
+    message = str(caught.value)
+    assert "\n" not in message and '"allow_pickle": true' in message
+    assert all(flag in message for flag in ("--no-shm", '--shm-name ""', "--gds-l1-path")), message

@@ -123,7 +123,7 @@ class LMCacheMPConfig(FrontendConfig, kw_only=True, frozen=True, forbid_unknown_
             reason = (
                 '"shm" is false'
                 if not self.shm
-                else "L1 has no shared-memory segment (--no-shm or --gds-l1-path)"
+                else 'L1 has no shared-memory segment (--no-shm, --shm-name "" or --gds-l1-path)'
             )
             raise ConfigError(f'{reason}, so chunks can only travel pickled: set "allow_pickle": true')
         if self.shm and not no_segment and not _is_dev_shm(server.l1_shm_dir):
