@@ -7,6 +7,7 @@ stream (a pool holds millions of keys) and filtered by the adapter's prefix.
 
 from __future__ import annotations
 
+import http.client
 import urllib.request
 from collections.abc import Iterator
 
@@ -16,12 +17,21 @@ __all__ = ["iter_pool_names"]
 def iter_pool_names(metrics_url: str, prefix: str, timeout_s: float) -> Iterator[str]:
     """Every key of the pool that starts with ``prefix``, as the master lists it.
 
-    Raises ``OSError`` (``urllib.error.URLError``) when the master does not answer in
-    ``timeout_s`` or answers with an error status, and (``ConnectionError``) when the
-    connection ends before the length the master announced.
+    Raises ``ConnectionError`` naming ``master_metrics_url`` when the master does not
+    answer in ``timeout_s``, answers with an error status or not as HTTP, or ends the
+    connection before the length it announced.
     """
     url = metrics_url.rstrip("/") + "/get_all_keys"
-    encoded = prefix.encode()
+    try:
+        yield from _names(url, prefix.encode(), timeout_s)
+    except (OSError, http.client.HTTPException) as exc:
+        # The start-up scan's warning shows this message: it names the field to check.
+        raise ConnectionError(
+            f"master_metrics_url {metrics_url}: GET /get_all_keys failed: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _names(url: str, encoded: bytes, timeout_s: float) -> Iterator[str]:
     with urllib.request.urlopen(url, timeout=timeout_s) as response:
         # the length the master announced (None: chunked, where http.client itself
         # raises on a body cut short)
