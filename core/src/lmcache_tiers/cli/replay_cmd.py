@@ -176,9 +176,14 @@ def replay(
     ] = False,
     url: Annotated[
         Optional[str],
-        typer.Option("--url", callback=server_url, help=f"Server to replay through (default {DEFAULT_URL})."),
+        typer.Option(
+            "--url", callback=server_url, help=f"Server to replay through. \\[default: {DEFAULT_URL}]"
+        ),
     ] = None,
-    limit: Annotated[Optional[int], typer.Option(min=1, help="Replay only the first N requests.")] = None,
+    limit: Annotated[
+        Optional[int],
+        typer.Option(min=1, help="Replay only the first N requests. \\[default: every request]"),
+    ] = None,
     block_bytes: Annotated[
         int, typer.Option(min=128, help="Bytes per block (also converts byte capacities to blocks).")
     ] = 16 << 10,
@@ -193,7 +198,10 @@ def replay(
     ] = None,
     l2_capacity: Annotated[
         Optional[list[str]],
-        typer.Option(help="Simulated L2 capacity, one per --capacity (a two-tier point each)."),
+        typer.Option(
+            help="Simulated L2 capacity, one per --capacity (a two-tier point each). "
+            "\\[default: none, L1 alone]"
+        ),
     ] = None,
     policy: Annotated[
         Optional[list[str]],
@@ -213,14 +221,14 @@ def replay(
         Optional[str],
         typer.Option(
             help="Also draw the miss-ratio curve into this file; its extension (.png, .svg or .pdf) "
-            "is the format, nothing is appended.",
+            "is the format, nothing is appended. \\[default: none]",
         ),
     ] = None,
     foresight: Annotated[
         Optional[list[str]],
         typer.Option(
             help="Add an oracle told each block's next use within H requests ('all': unlimited); "
-            "repeat or comma-separate."
+            "repeat or comma-separate. \\[default: none]"
         ),
     ] = None,
     retime: Annotated[
@@ -228,7 +236,8 @@ def replay(
         typer.Option(
             min=0,
             help="Simulate a re-timed sample (this seed) of the trace's Poisson model instead, with "
-            "the rate oracle and the bound no online policy beats on it.",
+            "the rate oracle and the bound no online policy beats on it. "
+            "\\[default: none, the trace as recorded]",
         ),
     ] = None,
     retime_bandwidth: Annotated[
@@ -268,7 +277,7 @@ def replay(
         typer.Option(
             envvar="LMCACHE_TIERS_AUTH_TOKEN",
             callback=client_token,
-            help="Token, if the server requires one.",
+            help="Token, if the server requires one. \\[default: none]",
         ),
     ] = None,
     model: Annotated[str, typer.Option(help="Model name of replay keys.")] = REPLAY_MODEL,
@@ -276,7 +285,11 @@ def replay(
     # -- in-process: serve's flags ------------------------------------------------------
     l1_blocks: Annotated[
         Optional[int],
-        typer.Option(min=1, help="In-process L1 of exactly N blocks that never starts background eviction."),
+        typer.Option(
+            min=1,
+            help="In-process L1 of exactly N blocks that never starts background eviction. "
+            "\\[default: none, --l1-size-gb sizes L1]",
+        ),
     ] = None,
     l1_size_gb: Annotated[
         Optional[float],
@@ -300,7 +313,10 @@ def replay(
     ] = None,
     l2_adapter: Annotated[
         Optional[list[str]],
-        typer.Option(help='In-process L2 adapter as JSON with a "type"; repeat for a cascade.'),
+        typer.Option(
+            help='In-process L2 adapter as JSON with a "type"; repeat for a cascade. '
+            "\\[default: none, never serve's embedded default L2]"
+        ),
     ] = None,
     l2_store_policy: Annotated[
         Optional[str], typer.Option(help=f"In-process store policy. \\[default: {_D.l2_store_policy}]")
@@ -312,9 +328,12 @@ def replay(
         Optional[int],
         typer.Option(help=f"In-process prefetches in flight. \\[default: {_D.l2_prefetch_max_in_flight}]"),
     ] = None,
-    gds_l1_path: Annotated[Optional[str], typer.Option(help="In-process NVMe L1 directory.")] = None,
+    gds_l1_path: Annotated[
+        Optional[str], typer.Option(help="In-process NVMe L1 directory. \\[default: none, L1 in memory]")
+    ] = None,
     config: Annotated[
-        Optional[str], typer.Option("--config", help="TOML file with serve's keys (in-process).")
+        Optional[str],
+        typer.Option("--config", help="TOML file with serve's keys (in-process). \\[default: none]"),
     ] = None,
 ) -> None:
     from lmcache_tiers.errors import TiersError
