@@ -51,12 +51,30 @@ def _eviction_controller(adapter: object, watermark: float, ratio: float) -> obj
     return build(adapter, L2EvictionConfig(trigger_watermark=watermark, eviction_ratio=ratio))  # type: ignore[arg-type]
 
 
+class _DeletedKeys:
+    """A listener that keeps the keys announced deleted."""
+
+    def __init__(self, deleted: list[ObjectKey]) -> None:
+        self.deleted = deleted
+
+    def on_l2_keys_stored(self, adapter: object, keys: list[ObjectKey]) -> None:
+        pass
+
+    def on_l2_keys_loaded(self, adapter: object, keys: list[ObjectKey]) -> None:
+        pass
+
+    def on_l2_keys_deleted(self, adapter: object, keys: list[ObjectKey]) -> None:
+        self.deleted.extend(keys)
+
+
 @pytest.mark.parametrize("damage", ["payload", "header", "truncated", "empty"])
 def test_damaged_record_is_a_miss_and_is_removed(tmp_path: Path, damage: str) -> None:
     arena = Arena()
     keys = make_keys(2)
     data = [pattern(7, SIZE), pattern(8, SIZE)]
     adapter = open_fs(fs_config(str(tmp_path)), arena.view)
+    deleted: list[ObjectKey] = []
+    adapter.add_listener(_DeletedKeys(deleted))
     try:
         assert store(adapter, arena, keys, data) == [True, True]
         path = str(tmp_path / f"{keys[0].file_stem()}.bin")
@@ -78,8 +96,14 @@ def test_damaged_record_is_a_miss_and_is_removed(tmp_path: Path, damage: str) ->
         assert not os.path.exists(path)
         counter = "truncated_records_removed" if damage == "empty" else "corrupt_records_removed"
         assert adapter.stats()[counter] == 1
+        # Released and announced as the record was removed, not when a later lookup
+        # finds it gone (and takes it for a removal behind the adapter's back).
+        assert adapter.used_bytes() == SIZE
+        assert deleted == [keys[0]]
         assert client(adapter).lookup_and_lock(keys[:1]).found == [False]
         assert adapter.used_bytes() == SIZE
+        assert adapter.stats().get("objects_vanished", 0) == 0
+        assert deleted == [keys[0]]
     finally:
         adapter.close()
 

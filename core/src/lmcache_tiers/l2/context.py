@@ -25,7 +25,7 @@ from lmcache_tiers.l2.record import (
     encode_header,
     record_verdict,
 )
-from lmcache_tiers.protocols import Serde
+from lmcache_tiers.protocols import ObjectSize, Serde
 
 if TYPE_CHECKING:
     from lmcache_tiers.l2.state import AdapterState
@@ -121,6 +121,23 @@ class BackendContext:
         ones held back are counted in the next line), so a failing store explains itself
         without flooding the log.  ``message`` is a %-format; the adapter name is added."""
         self._state.burst.warn(f"{self._prefix}{kind}", "%s: " + message, self.name, *args)
+
+    def accounted_size(self, key: ObjectKey) -> ObjectSize | None:
+        """What this adapter accounts for ``key`` now (None: nothing).  Read it before
+        removing a damaged record of ``key``, for :meth:`record_removed`."""
+        return self._state.accounting.get(key)
+
+    def record_removed(self, key: ObjectKey, accounted: ObjectSize | None) -> None:
+        """This backend has just removed ``key``'s damaged record (and counted it, e.g.
+        ``corrupt_records_removed``): its bytes are released and it is announced as
+        deleted, so that the usage and the eviction policy follow now -- not when a later
+        lookup finds it gone and takes it for a removal behind this adapter's back.
+        ``accounted`` is :meth:`accounted_size` from before the removal: a store of the key
+        that settled since keeps its own entry (and its record)."""
+        state = self._state
+        if accounted is not None and state.accounting.forget_if(key, accounted):
+            state.forget_unreadable([key])
+            state.notify("on_l2_keys_deleted", [key])
 
     def kept_record(self, key: ObjectKey, error: RecordError, *, counted: bool = False) -> bool:
         """Judge a record of ``key`` whose reading raised ``error`` (:func:`record_verdict`,

@@ -71,7 +71,8 @@ class L2Listener(Protocol):
     published; must not block.  ``on_l2_keys_deleted`` also reports accounted keys the
     backend answered absent (removed behind the adapter's back, e.g. by another server
     sharing the store), found by a lookup or by the check after a delete that did not
-    remove them: a listener may be told of keys it never saw stored, or saw deleted.
+    remove them, and damaged records the backend removed itself (a load that did not
+    verify): a listener may be told of keys it never saw stored, or saw deleted.
     ``on_l2_keys_stored`` likewise also reports keys a lookup found that the adapter did
     not account (stored by another server sharing the store): accounted from then on.
 

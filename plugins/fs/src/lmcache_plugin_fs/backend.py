@@ -158,6 +158,7 @@ class FsBackend:
                 count=context.count,
                 fsync=config.fsync,
                 on_root_recreated=lock.root_recreated,
+                removals=context,
             )
             direct = _direct_io(config, layout.root, context.name)
         except BaseException:

@@ -76,6 +76,7 @@ class NixlDynamicBackend:
                 name=context.name,
                 count=context.count,
                 on_root_recreated=self._dir_lock.root_recreated,
+                removals=context,
             )
             if config.use_direct_io:
                 check_direct_io(self.layout.root)

@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from functools import partial
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn, Protocol
 
 from lmcache_tiers.keycodec import is_digest_name, name_to_key, printable
 from lmcache_tiers.keys import ObjectKey
@@ -47,6 +47,7 @@ from lmcache_tiers.l2.files.records import (
     log_unreadable_header,
 )
 from lmcache_tiers.l2.record import MAX_HEADER_LEN
+from lmcache_tiers.protocols import ObjectSize
 
 log = logging.getLogger("lmcache_tiers.l2.files")
 
@@ -115,8 +116,19 @@ def identity_of(stat: os.stat_result) -> FileIdentity:
     return FileIdentity(stat.st_dev, stat.st_ino)
 
 
+class Removals(Protocol):
+    """Where a removal of a damaged record is told (the backend's ``BackendContext``)."""
+
+    def accounted_size(self, key: ObjectKey) -> ObjectSize | None: ...
+
+    def record_removed(self, key: ObjectKey, accounted: ObjectSize | None) -> None: ...
+
+
 class LocalFiles:
-    """The files of one store under a local root, in one :class:`FileLayout`."""
+    """The files of one store under a local root, in one :class:`FileLayout`.
+
+    ``removals`` (the backend's context) is told of each record :meth:`discard` removes,
+    so that the adapter releases its bytes at once."""
 
     def __init__(
         self,
@@ -126,8 +138,10 @@ class LocalFiles:
         count: Callable[[str, int], None],
         fsync: bool = False,
         on_root_recreated: Callable[[], None] | None = None,
+        removals: Removals | None = None,
     ) -> None:
         self.layout = layout
+        self._removals = removals
         self.name = name
         self._count = count
         self.fsync = fsync
@@ -337,8 +351,17 @@ class LocalFiles:
 
     def discard(self, key: ObjectKey, identity: FileIdentity | None, counter: str, reason: str) -> bool:
         """Remove ``key``'s record because it cannot be trusted, if it is still the file
-        that was judged (``identity``; None: whatever is there).  Counted and logged."""
-        return self._discard_path(self.layout.path_for(key), identity, self.stripe(key), counter, reason)
+        that was judged (``identity``; None: whatever is there).  Counted, logged, and its
+        bytes released (``removals``)."""
+        removals = self._removals
+        # Read before the removal: a store that publishes the key since (it waits for the
+        # stripe) settles a new entry, which stays.
+        accounted = removals.accounted_size(key) if removals is not None else None
+        if not self._discard_path(self.layout.path_for(key), identity, self.stripe(key), counter, reason):
+            return False
+        if removals is not None:
+            removals.record_removed(key, accounted)
+        return True
 
     def _discard_path(
         self,
