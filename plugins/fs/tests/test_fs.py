@@ -108,6 +108,39 @@ def test_damaged_record_is_a_miss_and_is_removed(tmp_path: Path, damage: str) ->
         adapter.close()
 
 
+def test_a_damaged_record_on_a_remote_store_is_released_when_removed() -> None:
+    """The same on an fsspec store (memory://): the bytes of a record a load removed as
+    damaged are released and announced at once, not later as gone behind its back."""
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    root = f"memory://damaged-{uuid.uuid4().hex}"
+    arena = Arena()
+    keys = make_keys(2)
+    data = [pattern(7, SIZE), pattern(8, SIZE)]
+    adapter = open_fs(fs_config(root), arena.view)
+    deleted: list[ObjectKey] = []
+    adapter.add_listener(_DeletedKeys(deleted))
+    try:
+        assert store(adapter, arena, keys, data) == [True, True]
+        (path,) = [p for p in memory.find(root) if keys[0].file_stem() in p]
+        record = bytearray(memory.cat_file(path))
+        record[HEADER + SIZE // 2] ^= 0xFF
+        memory.pipe_file(path, bytes(record))
+        result = client(adapter).lookup_and_lock(keys)
+        assert result.found == [True, True]
+        ok, contents = load(adapter, arena, keys, result.sizes)
+        adapter.unlock(keys)
+        assert ok == [False, True] and contents[1] == data[1]
+        assert not memory.exists(path)
+        assert adapter.stats()["corrupt_records_removed"] == 1
+        assert adapter.used_bytes() == SIZE and deleted == [keys[0]]
+        assert client(adapter).lookup_and_lock(keys[:1]).found == [False]
+        assert adapter.stats().get("objects_vanished", 0) == 0 and deleted == [keys[0]]
+    finally:
+        adapter.close()
+
+
 def test_another_keys_intact_record_under_a_remote_name_is_a_miss_that_is_kept() -> None:
     """An ``s3`` adapter sharing the folder of an fs root on s3:// names its object of a
     key salted "tenant.bin" as fs names the key salted "tenant": an intact record of

@@ -303,8 +303,14 @@ class RemoteRecords:
     # -- removal --------------------------------------------------------------------------------
 
     def discard(self, key: ObjectKey, size: int, prefix: bytes | None, counter: str, reason: str) -> bool:
-        """Remove a record judged bad, unless a store replaced it since (other size or header)."""
-        return self._discard_path(self.layout.path_for(key), self._stripe(key), size, prefix, counter, reason)
+        """Remove a record judged bad, unless a store replaced it since (other size or
+        header); its bytes are released (``record_removed``)."""
+        accounted = self.context.accounted_size(key)  # before: a store settling since keeps its own
+        path = self.layout.path_for(key)
+        if not self._discard_path(path, self._stripe(key), size, prefix, counter, reason):
+            return False
+        self.context.record_removed(key, accounted)
+        return True
 
     def _discard_path(
         self,
