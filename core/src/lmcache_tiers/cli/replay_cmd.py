@@ -308,7 +308,8 @@ def replay(
     eviction_ratio: Annotated[
         Optional[float],
         typer.Option(
-            help=f"Fraction of allocated L1 freed per background round. \\[default: {_D.eviction_ratio}]"
+            help="Fraction of allocated L1 freed per background round (in --simulate: only with "
+            f"--eviction-trigger-watermark). \\[default: {_D.eviction_ratio}]"
         ),
     ] = None,
     l2_adapter: Annotated[
@@ -505,6 +506,13 @@ def _simulate(
     capacities = [parse_capacity(spec).in_blocks(extent) for spec in l1_specs] or default_capacities(trace)
     l2_capacities: list[int | None] | None = None
     if l2_specs:
+        if len(l2_specs) != len(capacities) and not l1_specs:
+            # the operator gave no --capacity: name the defaults the count is held against
+            raise ConfigError(
+                f"give one --l2-capacity per L1 capacity: got {len(l2_specs)} for the "
+                f"{len(capacities)} default capacities ({', '.join(f'{c:,}' for c in capacities)} "
+                "blocks); give --capacity too"
+            )
         if len(l2_specs) != len(capacities):
             raise ConfigError(
                 f"give one --l2-capacity per --capacity ({len(capacities)}), got {len(l2_specs)}"
@@ -515,6 +523,12 @@ def _simulate(
             raise ConfigError(f"a capacity of {blocks} blocks of {block_bytes} bytes holds nothing")
     if watermark is not None and not 0.0 < watermark <= 1.0:
         raise ConfigError(f"--eviction-trigger-watermark must be in (0, 1], got {watermark}")
+    if eviction_ratio is not None and watermark is None:
+        # what a background round frees, and a simulation runs none without a watermark
+        raise ConfigError(
+            "--eviction-ratio does nothing in --simulate without --eviction-trigger-watermark "
+            "(background eviction is off unless that is given): give that too, or leave --eviction-ratio out"
+        )
     ratio = 0.2 if eviction_ratio is None else eviction_ratio
     if not 0.0 < ratio <= 1.0:
         raise ConfigError(f"--eviction-ratio must be in (0, 1], got {ratio}")
