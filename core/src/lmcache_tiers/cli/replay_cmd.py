@@ -629,8 +629,16 @@ def _in_process(
     file_values = file_fields(load_toml(config_file)) if config_file is not None else {}
     given = {name for name, value in overrides.items() if value is not None}  # serve's flag names
     if l1_blocks is not None:
-        if overrides.get("l1_size_gb") is not None or "l1_size_gb" in file_values:
+        if overrides.get("l1_size_gb") is not None:
             raise ConfigError("give --l1-blocks or --l1-size-gb, not both")
+        # --l1-blocks sets both: a config file's values would be dropped without a word
+        from_file = [name for name in ("l1_size_gb", "l1_align_bytes") if name in file_values]
+        if from_file:
+            raise ConfigError(
+                f"--l1-blocks sets the L1's size and alignment itself, and --config {config_file} "
+                f"gives {' and '.join(from_file)}: leave {'them' if len(from_file) > 1 else 'it'} "
+                "out of the file, or --l1-blocks off"
+            )
         size_gb, align = l1_size_for_blocks(l1_blocks, options.block_bytes)
         overrides["l1_size_gb"] = size_gb
         overrides["l1_align_bytes"] = align
