@@ -157,7 +157,11 @@ def test_a_damaged_payload_is_a_miss_and_is_removed(
     adapter.unlock(keys)
     assert raw.exists(name) == 0
     assert adapter.stats()["corrupt_records_removed"] == 1
+    # Its bytes released as it was removed, not found gone later (and taken for a
+    # removal behind the adapter's back).
+    assert adapter.used_bytes() == len(data[1])
     assert client_of(adapter).lookup_and_lock(keys[:1]).found == [False]
+    assert adapter.stats().get("objects_vanished", 0) == 0
 
 
 def test_a_damaged_header_is_a_lookup_miss_and_is_removed(
@@ -174,6 +178,7 @@ def test_a_damaged_header_is_a_lookup_miss_and_is_removed(
     assert client_of(adapter).lookup_and_lock(keys).found == [False]
     assert raw.exists(name) == 0
     assert adapter.stats()["corrupt_records_removed"] == 1
+    assert adapter.used_bytes() == 0 and adapter.stats().get("objects_vanished", 0) == 0
 
 
 #: what a forged header claims its payload is: past any capacity, yet an object's size

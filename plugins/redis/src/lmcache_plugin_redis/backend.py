@@ -1745,8 +1745,9 @@ class RedisBackend:
         object would load it onto every primary, and fail while any is down).  ``guard``:
         the payload judged (its length, or the digest of its bytes), so that the same
         object stored again since -- the header bytes read, an intact payload -- is kept.
-        Counted by what the script did: removed, not (stored again, replaced or removed
-        since: no longer the record read), or failed."""
+        Counted by what the script did: removed (its bytes released, ``record_removed``),
+        not (stored again, replaced or removed since: no longer the record read), or failed."""
+        accounted = self.context.accounted_size(key)  # before: a store settling since keeps its own
         try:
             replies = self._removal_replies([key], {0: header_bytes}, self._execute, guard)
             reply = replies if isinstance(replies, Exception) else replies[0]
@@ -1759,6 +1760,7 @@ class RedisBackend:
         if reply == 1:
             self.context.count("corrupt_records_removed")
             self.context.warn("corrupt", "removed %s: %s", key.file_stem(), error)
+            self.context.record_removed(key, accounted)
             return
         self.context.count("corrupt_records_replaced")
         self.context.warn(
