@@ -52,3 +52,13 @@ def test_the_defaults_say_what_leaving_an_option_out_means(
     assert "[default: every request]" in rows["--limit"]
     # serve falls back on an embedded L2 in the user's cache directory; an in-process replay never
     assert "never serve's embedded default L2" in rows["--l2-adapter"]
+
+
+def test_the_timeout_says_what_it_bounds_in_process(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It applies to --in-process too, where there is no server to reply or to wait for.
+    monkeypatch.setenv("COLUMNS", "250")
+    main(["replay", "--help"])
+    row = _option_rows(capsys.readouterr().out)["--timeout"]
+    assert "in-process, for each L2 load and for the L2 stores still in flight at the end" in row

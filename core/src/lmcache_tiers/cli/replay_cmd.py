@@ -269,7 +269,12 @@ def replay(
     timeout: Annotated[
         float,
         typer.Option(
-            min=0.01, max=MAX_TIMEOUT_S, parser=_finite_in(0.01, MAX_TIMEOUT_S), help=WAIT_TIMEOUT_HELP
+            min=0.01,
+            max=MAX_TIMEOUT_S,
+            parser=_finite_in(0.01, MAX_TIMEOUT_S),
+            # in-process there is no reply: it bounds the waits for L2 that replace them
+            help=f"{WAIT_TIMEOUT_HELP[:-1]}; in-process, for each L2 load and for the L2 stores "
+            "still in flight at the end.",
         ),
     ] = 60.0,
     auth_token: Annotated[
