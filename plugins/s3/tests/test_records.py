@@ -163,6 +163,8 @@ def test_an_object_of_the_wrong_length_is_removed(
     assert not raw.exists(key)
     assert adapter.stats()["corrupt_records_removed"] == 1
     assert adapter.used_bytes() == 0, "the miss released the bytes"
+    # ... as the removal did, not as an object found gone behind the adapter's back
+    assert adapter.stats().get("objects_vanished", 0) == 0
 
 
 def test_a_damaged_payload_fails_the_load_only_inside_the_buffer(
@@ -181,6 +183,10 @@ def test_a_damaged_payload_fails_the_load_only_inside_the_buffer(
     adapter.unlock([key])
     assert not raw.exists(key)
     assert adapter.stats()["corrupt_records_removed"] == 1
+    # Released as it was removed, not when a later lookup finds it gone.
+    assert adapter.used_bytes() == 0
+    assert blocking(adapter).lookup_and_lock([key]).found == [False]
+    assert adapter.stats().get("objects_vanished", 0) == 0
 
 
 def test_damage_a_second_read_does_not_find_is_no_reason_to_remove_the_object(

@@ -491,7 +491,7 @@ class S3Backend:
                 return None
             if error_code(exc) == "InvalidRange":  # an empty object: no header at all
                 # Conditional on the object the HEAD saw: a record stored there since is kept.
-                await self._remove_damaged(name, "the object is empty", head_etag)
+                await self._remove_damaged(name, "the object is empty", head_etag, key)
                 return None
             raise
         etag = etag or head_etag
@@ -515,7 +515,7 @@ class S3Backend:
         try:
             size = self._size_in_record(key, data, total)
         except _Damaged as exc:
-            await self._remove_damaged(name, str(exc), etag)
+            await self._remove_damaged(name, str(exc), etag, key)
             return None
         self._damage_not_repeated("lookup", name, first_damage)
         return size
@@ -584,7 +584,7 @@ class S3Backend:
         try:
             loaded = await self._read_into(key, name, buffer, read, if_match=read.get("etag"))
         except _Damaged as exc:
-            await self._remove_damaged(name, str(exc), read.get("etag"))
+            await self._remove_damaged(name, str(exc), read.get("etag"), key)
             return False
         except Exception as exc:
             if error_code(exc) != "PreconditionFailed":
@@ -831,10 +831,14 @@ class S3Backend:
                 return None
             raise _Damaged(str(exc)) from exc
 
-    async def _remove_damaged(self, name: str, why: str, etag: str | None) -> None:
+    async def _remove_damaged(
+        self, name: str, why: str, etag: str | None, key: ObjectKey | None = None
+    ) -> None:
         """Remove the damaged object read as ``etag`` -- only if it is still that one: a
         record another server stored there since is kept (a conditional delete; a store
-        that ignores the condition removes whatever is there, as a plain delete).
+        that ignores the condition removes whatever is there, as a plain delete).  Once
+        removed, the bytes accounted for ``key`` (None: a listed object, not accounted) are
+        released (``record_removed``).
 
         Read without an ETag, it is kept, counted (``corrupt_kept_without_etag``): an
         unconditional removal could take a record another server stored there since.
@@ -856,6 +860,8 @@ class S3Backend:
         self.context.warn(
             "damaged", "s3://%s/%s is damaged (%s); a miss, removed", self.config.bucket, name, why
         )
+        # Read before the removal: a store of the key settling since keeps its own entry.
+        accounted = self.context.accounted_size(key) if key is not None else None
         try:
             await self.client.call("delete_object", Key=name, IfMatch=etag)
         except Exception as exc:
@@ -869,6 +875,9 @@ class S3Backend:
                 return
             self.context.count("corrupt_remove_failures")
             self.context.warn("remove", "removing damaged %s failed: %s", name, describe(exc))
+            return
+        if key is not None:
+            self.context.record_removed(key, accounted)
 
     async def _each(
         self, op: str, calls: Sequence[Awaitable[T]], *, whole: bool = False
