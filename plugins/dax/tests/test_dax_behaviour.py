@@ -96,6 +96,7 @@ def test_a_flipped_byte_is_a_miss_removed_for_good(where: str) -> None:
             loaded, contents = load(adapter, keys, [len(d) for d in data])
             assert loaded == [False, True] and contents[1] == data[1]
             assert adapter.stats()["corrupt_records_removed"] == 1
+            assert adapter.used_bytes() == len(data[1]), "released as it was removed"
             assert int(region.commits[local]) == 0, "uncommitted, so a restart does not bring it back"
         finally:
             adapter.close()

@@ -37,8 +37,12 @@ def test_a_flipped_byte_is_a_miss_and_frees_the_slot(tmp_path: Path, where: str)
         stats = adapter.stats()
         assert stats["corrupt_records_removed"] == 1
         assert stats["slots_used"] == 1, "the damaged object's slot is free again"
+        # Its bytes released as it was removed, not found gone by a later lookup (and
+        # taken for a removal behind the adapter's back).
+        assert adapter.used_bytes() == len(data[1])
         assert client(adapter).lookup_and_lock(keys[:1]).found == [False]
         assert adapter.used_bytes() == len(data[1])
+        assert adapter.stats().get("objects_vanished", 0) == 0
     finally:
         adapter.close()
 

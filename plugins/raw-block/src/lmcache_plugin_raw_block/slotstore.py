@@ -346,7 +346,9 @@ class SlotStoreBackend(ABC):
 
     def _remove_damaged(self, key: ObjectKey, entry: SlotEntry | None, error: RecordError) -> None:
         assert entry is not None
+        accounted = self.context.accounted_size(key)  # before: a store settling since keeps its own
         if self.table.discard(key, entry):
+            self.context.record_removed(key, accounted)
             self.context.count("corrupt_records_removed")
             self._burst.warn(
                 "corrupt",
