@@ -118,6 +118,7 @@ def test_accepted_no_op_flags_say_so_in_a_log_line() -> None:
     assert all(re.match(r"^\d{4}-\d\d-\d\d .* INFO lmcache_tiers\.cli\.serve: ", line) for line in lines)
     assert "--l1-init-size-gb/--l1-use-lazy: L1 is allocated and pre-faulted whole at start-up" in lines[0]
     assert "--isolated-ipc" in lines[1] and "--supported-transfer-mode auto" in lines[2]
+    assert '"allow_pickle": true' in lines[1], "LMCache's clients send pickled chunks then"
     assert json.loads(result.stdout)["l1_size_gb"] == 1.0
 
 

@@ -389,7 +389,10 @@ def flag_overrides(params: dict[str, Any], given: set[str]) -> tuple[dict[str, A
             "(--l1-size-gb); there is no lazily grown L1"
         )
     if params["isolated_ipc"]:
-        notes.append("--isolated-ipc: clients that cannot map the L1 segment send bytes inline by themselves")
+        notes.append(
+            "--isolated-ipc: clients that cannot map the L1 segment send bytes inline by themselves "
+            '(LMCache\'s clients as pickled chunks: the lmcache_mp front end needs "allow_pickle": true)'
+        )
     if params["supported_transfer_mode"] == "auto":
         notes.append(
             "--supported-transfer-mode auto: transfers here are engine-driven (clients copy) or inline"
