@@ -69,3 +69,11 @@ def test_l2_capacities_that_do_not_match_the_default_capacities_say_so(
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1, err
     assert "default capacities" in err and "--capacity" in err and "2" in err
+
+
+def test_an_empty_plot_file_name_is_refused(capsys: pytest.CaptureFixture[str], trace: str) -> None:
+    # --plot "$OUT" with OUT unset: the simulation ran and printed its tables, and no
+    # plot was drawn, without a word.
+    code, out, err = _run(capsys, trace, "--simulate", "--capacity", "8", "--plot", "")
+    assert code == 2 and out == ""
+    assert err.strip() == "error: --plot '' names no file; leave it out for no plot"

@@ -501,7 +501,7 @@ def _simulate(
         simulate_curve,
     )
 
-    if plot:
+    if plot is not None:
         from lmcache_tiers.replay.plot import check_plot_path
 
         check_plot_path(plot)  # before the simulation, which may take minutes

@@ -54,6 +54,9 @@ def check_plot_path(path: str) -> None:
     without a supported extension (nothing is appended to a name), a directory, one in a
     directory that does not exist or where no file can be created (read-only, /proc); and
     matplotlib not installed.  A symbolic link is judged by the file it points at."""
+    if not path:
+        # an unset variable (--plot "$OUT"), not a request for no plot: that drew nothing
+        raise ConfigError("--plot '' names no file; leave it out for no plot")
     extension = os.path.splitext(path)[1].lower().lstrip(".")
     if extension not in PLOT_FORMATS:
         *others, last = (f".{name}" for name in PLOT_FORMATS)
