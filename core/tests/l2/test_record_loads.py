@@ -314,3 +314,21 @@ def test_a_load_whose_open_was_stuck_when_the_adapter_closed_reads_nothing_into_
     monkeypatch.setattr(os, "preadv", counted)
     assert store.load(KEY, size) == (False, bytes(size))
     assert reads == []
+
+
+def test_an_intact_record_whose_header_length_differs_is_kept_and_explained(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The payload a load expected, behind a header of another length (not padded to the
+    block): a miss, kept, and the line names both lengths -- not two equal payload sizes."""
+    data = payload_of(5_000)
+    unpadded = encode_header(KEY, data)
+    path = write_raw(store, KEY, unpadded + data)
+    with caplog.at_level("INFO", logger="lmcache_tiers.l2"):
+        assert store.load(KEY, len(data))[0] is False
+    assert os.path.exists(path)
+    assert store.counter("corrupt_records_removed") == 0
+    (line,) = [r.getMessage() for r in caplog.records if "a load expected" in r.getMessage()]
+    size = len(unpadded) + len(data)
+    assert f"a record of {size} bytes (header {len(unpadded)}, payload {len(data)})" in line
+    assert f"a load expected {RECORD_ALIGN + len(data)} (header {RECORD_ALIGN}, payload {len(data)})" in line

@@ -692,8 +692,18 @@ class RecordFiles:
             raise RecordError(
                 f"record file is {size} bytes, header says {header.header_len + header.payload_len}"
             )
+        # Header and payload told apart: a record whose header length differs (another
+        # layout string) may hold a payload of the very size a load expected.
         log.warning(
-            "%s holds %d bytes, a load expected %d", printable(record_name(key)), header.payload_len, expected
+            "%s is a record of %d bytes (header %d, payload %d), a load expected %d (header %d, payload %d): "
+            "a miss, kept",
+            printable(record_name(key)),
+            size,
+            header.header_len,
+            header.payload_len,
+            header_len + expected,
+            header_len,
+            expected,
         )
         return False
 

@@ -273,10 +273,17 @@ class RecordLoads:
             raise RecordError(
                 f"file is {size} bytes, its header says {header.header_len + header.payload_len}"
             )
+        # Header and payload told apart: a record whose header length differs (another
+        # layout string) may hold a payload of the very size a load expected.
         log.info(
-            "%s: %s holds %d bytes, a load expected %d",
+            "%s: %s is a record of %d bytes (header %d, payload %d), a load expected %d (header %d, "
+            "payload %d): a miss, kept",
             self._context.name,
             printable(record_name(key)),
+            size,
+            header.header_len,
             header.payload_len,
+            scratch.nbytes + expected,
+            scratch.nbytes,
             expected,
         )
