@@ -292,8 +292,12 @@ def test_damaged_record_is_a_miss_and_is_removed(damage: str) -> None:
             adapter.unlock(keys)
             assert not os.path.exists(path)
             assert adapter.stats()["corrupt_records_removed"] == 1
+            # Released as it was removed, not found gone by the lookup after (and taken
+            # for a removal behind the adapter's back).
+            assert adapter.used_bytes() == SIZE
             assert client(adapter).lookup_and_lock(keys[:1]).found == [False]
             assert adapter.used_bytes() == SIZE
+            assert adapter.stats().get("objects_vanished", 0) == 0
         finally:
             adapter.close()
 
