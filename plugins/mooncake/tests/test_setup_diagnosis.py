@@ -5,7 +5,8 @@ master address that is another service's port."""
 from __future__ import annotations
 
 import pytest
-from lmcache_plugin_mooncake.cluster import LocalCluster, free_port
+from lmcache_plugin_mooncake import client as client_module
+from lmcache_plugin_mooncake.cluster import LocalCluster, NotedCalls, free_port
 from lmcache_plugin_mooncake.diagnosis import unanswered_services
 from mooncake_helpers import backend_of, config_for, eventually, open_adapter
 
@@ -50,8 +51,52 @@ def test_an_adapter_whose_metadata_server_is_down_says_so_not_that_the_master_is
         eventually(lambda: connection.failures >= 1, what="a failed set-up")
         assert (
             connection.last_error
-            == f"setup returned -1: metadata_server {url} does not answer (connection refused)"
+            == f"set-up not tried: metadata_server {url} does not answer (connection refused)"
         )
         assert adapter.stats()["connected"] == 0
+    finally:
+        adapter.close()
+
+
+def test_an_adapter_given_an_http_port_for_the_master_says_so(mooncake_pool: LocalCluster) -> None:
+    address = f"127.0.0.1:{mooncake_pool.metrics_port}"
+    adapter = open_adapter(config_for(mooncake_pool, master_server_address=address, operation_timeout_s=1.0))
+    try:
+        connection = backend_of(adapter).connection
+        eventually(lambda: connection.failures >= 1, what="a failed set-up")
+        assert connection.last_error.startswith(
+            f"setup returned -1: master_server_address {address} is an HTTP server (it answered "
+        ), connection.last_error
+    finally:
+        adapter.close()
+
+
+def test_no_set_up_is_tried_while_the_master_refuses_connections(
+    own_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Mooncake's set-up holds the GIL throughout: against a master that is down, every
+    # attempt would stall the whole server for its ~4.5 s of retries.
+    called: list[str] = []
+    real = client_module.import_store_module()
+
+    class Noted:
+        @staticmethod
+        def MooncakeDistributedStore() -> NotedCalls:
+            return NotedCalls(real.MooncakeDistributedStore(), called)
+
+    monkeypatch.setattr(client_module, "import_store_module", lambda: Noted)
+    own_cluster.kill_master()
+    adapter = open_adapter(config_for(own_cluster, operation_timeout_s=1.0))
+    try:
+        connection = backend_of(adapter).connection
+        eventually(lambda: connection.failures >= 2, what="two failed attempts")
+        assert "setup" not in called
+        assert connection.last_error == (
+            f"set-up not tried: master_server_address {own_cluster.master_server_address} "
+            "does not answer (connection refused)"
+        )
+        own_cluster.start_master()
+        eventually(lambda: adapter.stats()["connected"] == 1, timeout=90, what="the connection")
+        assert "setup" in called
     finally:
         adapter.close()

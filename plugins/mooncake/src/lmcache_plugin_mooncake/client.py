@@ -30,7 +30,7 @@ from typing import Any
 
 from lmcache_plugin_mooncake.calls import CallPool, CallTimeout
 from lmcache_plugin_mooncake.config import MooncakeStoreConfig
-from lmcache_plugin_mooncake.diagnosis import unanswered_services
+from lmcache_plugin_mooncake.diagnosis import unanswered_services, unreachable_service
 from lmcache_plugin_mooncake.headers import HeaderLanes, address_of
 from lmcache_tiers.plugin import BackendUnavailableError, ConfigError, TiersError
 
@@ -311,6 +311,13 @@ class Connection:
 
     def _setup(self) -> Any:
         config = self.config
+        diagnosis_s = min(config.operation_timeout_s, _DIAGNOSIS_TIMEOUT_S)
+        # Mooncake's set-up holds the GIL throughout -- about 4.5 s against a master that
+        # is down, every thread of the server stalled -- so it is tried only when both
+        # services take a connection.
+        unreachable = unreachable_service(config, diagnosis_s)
+        if unreachable is not None:
+            raise MooncakeError(f"set-up not tried: {unreachable}")
         with _SETUP_LOCK:
             applied = apply_timeout_environment(config.operation_timeout_s)
             logger.debug(
@@ -345,7 +352,7 @@ class Connection:
         if code != 0:
             _close_quietly(store)
             # Mooncake answers -1 for every service it could not use: name the one.
-            found = unanswered_services(config, min(config.operation_timeout_s, _DIAGNOSIS_TIMEOUT_S))
+            found = unanswered_services(config, diagnosis_s)
             raise MooncakeError(f"setup returned {describe(code)}: {found}")
         code = store.register_buffer(self.lanes.address, self.lanes.size)
         if code != 0:

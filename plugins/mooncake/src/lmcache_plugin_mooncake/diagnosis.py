@@ -16,7 +16,7 @@ import urllib.request
 
 from lmcache_plugin_mooncake.config import MooncakeStoreConfig
 
-__all__ = ["unanswered_services"]
+__all__ = ["unanswered_services", "unreachable_service"]
 
 #: the key asked of the metadata server (never stored)
 _PROBE_KEY = "lmcache-tiers-setup-probe"
@@ -39,6 +39,19 @@ def unanswered_services(config: MooncakeStoreConfig, timeout_s: float) -> str:
         f"master_server_address {config.master_server_address} and metadata_server "
         f"{config.metadata_server} both accept connections (Mooncake's log says more)"
     )
+
+
+def unreachable_service(config: MooncakeStoreConfig, timeout_s: float) -> str | None:
+    """The service a set-up needs that refuses or drops a connection, named by its field;
+    None when both take one.  Asked before each set-up: Mooncake's binding holds the GIL
+    for the whole set-up, about 4.5 s against a master that is down, which stalls every
+    thread of the process."""
+    host, port = _split(config.master_server_address)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        return f"master_server_address {config.master_server_address} does not answer ({_reason(exc)})"
+    return _metadata_problem(config, timeout_s, answered_only=True)
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -70,9 +83,12 @@ def _master_problem(address: str, timeout_s: float) -> str | None:
     )
 
 
-def _metadata_problem(config: MooncakeStoreConfig, timeout_s: float) -> str | None:
+def _metadata_problem(
+    config: MooncakeStoreConfig, timeout_s: float, answered_only: bool = False
+) -> str | None:
     """Why the HTTP metadata server does not serve, or None if it answers (other kinds
-    of metadata service are not asked)."""
+    of metadata service are not asked); ``answered_only``: None for any answer, HTTP or
+    not."""
     url = config.metadata_server
     if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
         return None
@@ -86,6 +102,8 @@ def _metadata_problem(config: MooncakeStoreConfig, timeout_s: float) -> str | No
         reason = exc.reason if isinstance(exc.reason, BaseException) else OSError(str(exc.reason))
         return f"metadata_server {url} does not answer ({_reason(reason)})"
     except (OSError, http.client.HTTPException) as exc:
+        if answered_only:
+            return None
         return f"metadata_server {url} does not answer as an HTTP metadata server ({_reason(exc)})"
 
 
