@@ -90,6 +90,8 @@ def test_segments_of_none_or_of_mooncakes_smallest_size_and_more_are_accepted(si
         ({"operation_timeout_s": 0}, "operation_timeout_s"),
         ({"max_capacity_gb": -1}, "max_capacity_gb"),
         ({"master_server_address": "no-port"}, "master_server_address"),
+        ({"master_server_address": "10.0.0.1:99999"}, r"'10.0.0.1:99999': the port is not 1..65535"),
+        ({"master_server_addr": "10.0.0.1:0"}, r"the port is not 1..65535 - at .*\.master_server_addr`"),
         ({"master_server_addr": "no-port"}, r"\.master_server_addr`"),
         (
             {"master_server_addr": "10.0.0.1:50051", "master_server_address": "10.0.0.2:50051"},

@@ -251,6 +251,8 @@ class MooncakeStoreConfig(L2AdapterConfig):
         self._fold_master_alias()
         if not _HOST_PORT.match(self.master_server_address):
             raise FieldError(given, f"{_shown(self.master_server_address)} is not host:port")
+        if not 0 < int(self.master_server_address.rpartition(":")[2]) < 65536:
+            raise FieldError(given, f"{_shown(self.master_server_address)}: the port is not 1..65535")
         if not _PREFIX.match(self.key_prefix):
             raise FieldError("key_prefix", f"{self.key_prefix!r}: 1..64 of letters, digits and . _ : / -")
         if self.master_metrics_url is not None and urlsplit(self.master_metrics_url).scheme not in (
