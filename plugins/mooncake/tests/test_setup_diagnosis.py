@@ -4,10 +4,12 @@ master address that is another service's port."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 from lmcache_plugin_mooncake import client as client_module
 from lmcache_plugin_mooncake.cluster import LocalCluster, NotedCalls, free_port
-from lmcache_plugin_mooncake.diagnosis import unanswered_services
+from lmcache_plugin_mooncake.diagnosis import unanswered_services, unreachable_service
 from mooncake_helpers import backend_of, config_for, eventually, open_adapter
 
 TIMEOUT_S = 2.0
@@ -100,3 +102,12 @@ def test_no_set_up_is_tried_while_the_master_refuses_connections(
         assert "setup" in called
     finally:
         adapter.close()
+
+
+def test_a_hung_metadata_server_keeps_the_set_up_from_being_tried(mooncake_pool: LocalCluster) -> None:
+    # Listening, never answering: what a stopped (SIGSTOP) master's metadata server does.
+    with socket.create_server(("127.0.0.1", 0)) as hung:
+        url = f"http://127.0.0.1:{hung.getsockname()[1]}/metadata"
+        found = unreachable_service(config_for(mooncake_pool, metadata_server=url), 0.5)
+    assert found == f"metadata_server {url} does not answer (no answer in time)"
+    assert unreachable_service(config_for(mooncake_pool), TIMEOUT_S) is None

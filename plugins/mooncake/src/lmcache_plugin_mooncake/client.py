@@ -167,7 +167,7 @@ class Connection:
         self.refusal: SetupRefused | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.last_error = "not connected yet"
+        self.last_error = "the first set-up attempt has not ended yet"
         self.attempts = 0
         self.failures = 0
         #: calls of the adapter's threads using the client right now (see ``leased``)

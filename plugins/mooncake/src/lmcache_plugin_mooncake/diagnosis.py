@@ -101,6 +101,8 @@ def _metadata_problem(
     except urllib.error.URLError as exc:
         reason = exc.reason if isinstance(exc.reason, BaseException) else OSError(str(exc.reason))
         return f"metadata_server {url} does not answer ({_reason(reason)})"
+    except TimeoutError as exc:  # a hung server: neither answered nor refused
+        return f"metadata_server {url} does not answer ({_reason(exc)})"
     except (OSError, http.client.HTTPException) as exc:
         if answered_only:
             return None
