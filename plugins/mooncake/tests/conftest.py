@@ -8,7 +8,8 @@ import pytest
 
 # Helper modules of these tests (imported by name under pytest's importlib mode).
 sys.path.insert(0, str(Path(__file__).parent))
-# Mooncake clients of this process listen on loopback only (read when a client is set up).
+# Mooncake clients of this process use the loopback address (read when a client is set
+# up; the 0.3.13 wheel still binds its listening ports to all interfaces).
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
 from lmcache_plugin_mooncake.cluster import LocalCluster, unavailable_reason

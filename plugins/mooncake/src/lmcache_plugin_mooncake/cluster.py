@@ -151,7 +151,9 @@ class LocalCluster:
 
     @staticmethod
     def environment() -> dict[str, str]:
-        """Environment for processes joining the cluster: Mooncake listens on loopback only."""
+        """Environment for processes joining the cluster: Mooncake's TCP transport given the
+        loopback address (its listening ports are still bound to all interfaces by the
+        0.3.13 wheel)."""
         return {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
 
     def _binary(self, name: str) -> str:
