@@ -32,8 +32,9 @@ def _native_on(tmp_path: Path, port: int, extra: str = "") -> Path:
 
 def test_an_http_port_in_the_config_file_taken_by_a_front_end_is_named_by_its_key(tmp_path: Path) -> None:
     port = free_port()
-    line = _refusal(["--config", str(_native_on(tmp_path, port, f"metrics_port = {port}\n"))])
-    assert line.startswith(f"error: metrics_port {port}: "), line
+    config = _native_on(tmp_path, port, f"metrics_port = {port}\n")
+    line = _refusal(["--config", str(config)])
+    assert line.startswith(f"error: --config {config}: metrics_port {port}: "), line
     assert "front end 0:native" in line and "--metrics-port" not in line, line
 
 

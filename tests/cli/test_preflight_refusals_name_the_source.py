@@ -40,9 +40,9 @@ def test_a_metrics_port_in_use_set_in_the_config_file_is_named_by_its_key(
     config = tmp_path / "server.toml"
     config.write_text(f"metrics_port = {taken_port}\n")
     line = _serve_refused(["--config", str(config)])
-    assert line.startswith(f"error: metrics_port {taken_port}: 127.0.0.1:{taken_port} is already in use"), (
-        line
-    )
+    assert line.startswith(
+        f"error: --config {config}: metrics_port {taken_port}: 127.0.0.1:{taken_port} is already in use"
+    ), line
     assert "--metrics-port" not in line, line
 
 
@@ -57,7 +57,9 @@ def test_a_host_in_the_config_file_that_is_not_ours_is_named_by_its_key(tmp_path
     config = tmp_path / "server.toml"
     config.write_text('host = "192.0.2.1"\nauth_token = "t"\n')
     line = _serve_refused(["--metrics-port", "0", "--config", str(config)])
-    assert line == "error: host 192.0.2.1: not an address of this machine; give one of its addresses", line
+    assert line == (
+        f"error: --config {config}: host 192.0.2.1: not an address of this machine; give one of its addresses"
+    ), line
 
 
 def test_a_missing_shm_dir_in_the_config_file_is_named_by_its_key(tmp_path: Path) -> None:
@@ -65,7 +67,7 @@ def test_a_missing_shm_dir_in_the_config_file_is_named_by_its_key(tmp_path: Path
     config = tmp_path / "server.toml"
     config.write_text(f'l1_shm_dir = "{missing}"\n')
     line = _serve_refused(["--metrics-port", "0", "--config", str(config)])
-    assert line.startswith(f"error: l1_shm_dir {missing}: does not exist"), line
+    assert line.startswith(f"error: --config {config}: l1_shm_dir {missing}: does not exist"), line
 
 
 def test_a_missing_shm_dir_flag_is_named_by_the_flag(tmp_path: Path) -> None:
@@ -78,7 +80,7 @@ def test_an_l1_too_large_in_the_config_file_is_named_by_its_key(tmp_path: Path) 
     config = tmp_path / "server.toml"
     config.write_text("l1_size_gb = 100000\n")
     line = _serve_refused(["--metrics-port", "0", "--config", str(config)], size=[])
-    assert line.startswith("error: l1_size_gb 100000: /dev/shm has"), line
+    assert line.startswith(f"error: --config {config}: l1_size_gb 100000: /dev/shm has"), line
     assert "--l1-size-gb" not in line, line
 
 

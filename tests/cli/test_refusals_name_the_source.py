@@ -26,7 +26,7 @@ def test_a_relative_shm_dir_in_the_config_file_is_named_by_its_key(tmp_path: Pat
     config = tmp_path / "server.toml"
     config.write_text('l1_shm_dir = "relative"\n')
     line = _refusal(["--config", str(config)])
-    assert line == "error: l1_shm_dir relative: give an absolute path", line
+    assert line == f"error: --config {config}: l1_shm_dir relative: give an absolute path", line
 
 
 def test_a_relative_shm_dir_flag_is_named_by_its_flag() -> None:
@@ -37,7 +37,7 @@ def test_an_l1_smaller_than_one_extent_in_the_config_file_is_named_by_its_key(tm
     config = tmp_path / "server.toml"
     config.write_text("l1_size_gb = 1e-9\n")
     line = _refusal(["--config", str(config)])
-    assert line.startswith("error: l1_size_gb 1e-09: smaller than one L1 extent"), line
+    assert line.startswith(f"error: --config {config}: l1_size_gb 1e-09: smaller than one L1 extent"), line
     assert "--l1-size-gb" not in line and "--l1-align-bytes" not in line, line
 
 
@@ -50,3 +50,30 @@ def test_a_bad_auth_token_in_the_environment_is_named_by_the_variable() -> None:
 
 def test_a_bad_auth_token_flag_is_named_by_its_flag() -> None:
     assert _refusal(["--auth-token", "\udcff"]).startswith("error: --auth-token: ")
+
+
+def test_a_value_of_the_wrong_type_in_the_config_file_names_the_file(tmp_path: Path) -> None:
+    config = tmp_path / "server.toml"
+    config.write_text('l1_size_gb = "x"\n')
+    line = _refusal(["--config", str(config)])
+    assert line == f"error: --config {config}: Expected `float`, got `str` - at `$.l1_size_gb`", line
+
+
+def test_an_adapter_of_the_config_file_names_the_file_but_not_one_a_flag_replaced_it_with(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "server.toml"
+    config.write_text('[[l2_adapters]]\ntype = "fs"\npath = 5\n')
+    line = _refusal(["--config", str(config)])
+    assert line.startswith(f"error: --config {config}: fs: Expected `str | null`, got `int`"), line
+    assert line.endswith("- at `$.l2_adapters[0].path`"), line
+    # --l2-adapter replaces the file's adapters: its mistake is not the file's
+    line = _refusal(["--config", str(config), "--l2-adapter", '{"type": "fs", "path": 7}'])
+    assert "--config" not in line and line.endswith("- at `$.l2_adapters[0].path`"), line
+
+
+def test_a_value_a_flag_gave_over_the_config_file_names_the_flag(tmp_path: Path) -> None:
+    config = tmp_path / "server.toml"
+    config.write_text("l1_size_gb = 1.0\n")
+    line = _refusal(["--config", str(config), "--l1-size-gb", "-1"])
+    assert line.startswith("error: --l1-size-gb: "), line

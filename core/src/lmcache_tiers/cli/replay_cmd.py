@@ -620,7 +620,7 @@ def _in_process(
     l1_blocks: int | None,
     as_json: bool,
 ) -> None:
-    from lmcache_tiers.cli.serve_cmd import name_flag
+    from lmcache_tiers.cli.serve_cmd import ConfigFile, name_flag
     from lmcache_tiers.config import build_config, file_fields, load_toml
     from lmcache_tiers.plugins import load_registry
     from lmcache_tiers.replay.capacity import l1_size_for_blocks
@@ -633,6 +633,7 @@ def _in_process(
     # An empty --config (an unset variable) is a missing file, not "no file".
     file_values = file_fields(load_toml(config_file)) if config_file is not None else {}
     given = {name for name, value in overrides.items() if value is not None}  # serve's flag names
+    named_file = ConfigFile.of(config_file, file_values, ["l2_adapters"] if l2_adapter else [])
     if l1_blocks is not None:
         if overrides.get("l1_size_gb") is not None:
             raise ConfigError("give --l1-blocks or --l1-size-gb, not both")
@@ -654,12 +655,12 @@ def _in_process(
     try:
         config = build_config(registry, file_values, overrides, l2_adapter)
     except ConfigError as exc:
-        raise name_flag(exc, given) from None
+        raise name_flag(exc, given, config_file=named_file) from None
     # serve's checks of the L1 it cannot build, before the progress bar starts building it
     try:
         check_l1_geometry(config)
     except ConfigError as exc:
-        raise name_flag(exc, given) from None
+        raise name_flag(exc, given, config_file=named_file) from None
     if options.block_bytes > config.l1_size_bytes:
         # Refused before the replay allocates a buffer of one block, which may not fit in memory.
         raise ConfigError(

@@ -13,7 +13,8 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import typer
@@ -402,6 +403,25 @@ def flag_overrides(params: dict[str, Any], given: set[str]) -> tuple[dict[str, A
 
 _AT_FIELD = re.compile(r" - at `\$\.(\w+)`$")
 _AT_ANY_FIELD = re.compile(r" - at `\$[^`]*`$")
+#: the top-level field of any config path an error names (``$.l2_adapters[0].path``)
+_AT_TOP_FIELD = re.compile(r" - at `\$\.(\w+)[^`]*`$")
+
+
+@dataclass(frozen=True)
+class ConfigFile:
+    """The ``--config`` file and the top-level fields whose values it gave (those a flag
+    replaced left out): an error about one of them names the file."""
+
+    path: str
+    fields: frozenset[str]
+
+    @classmethod
+    def of(
+        cls, path: str | None, file_values: Mapping[str, Any], replaced: Iterable[str] = ()
+    ) -> ConfigFile | None:
+        if path is None:
+            return None
+        return cls(path, frozenset(file_values) - frozenset(replaced))
 
 
 def _source_of(field: str, given: set[str], from_env: Mapping[str, str]) -> str | None:
@@ -414,18 +434,31 @@ def _source_of(field: str, given: set[str], from_env: Mapping[str, str]) -> str 
     return None
 
 
-def name_flag(exc: ConfigError, given: set[str], from_env: Mapping[str, str] | None = None) -> ConfigError:
+def name_flag(
+    exc: ConfigError,
+    given: set[str],
+    from_env: Mapping[str, str] | None = None,
+    config_file: ConfigFile | None = None,
+) -> ConfigError:
     """Prefix an error about a top-level field with the flag (or the environment variable)
-    that set it, if one did; name a refused setting (``SettingRefused``) the same way."""
+    that set it, if one did, else with the ``--config`` file if it gave the value; name a
+    refused setting (``SettingRefused``) the same way."""
     variables = from_env or {}
     if isinstance(exc, SettingRefused):
         source = _source_of(exc.setting, given, variables)
-        return exc if source is None else exc.with_name(source)
-    found = _AT_FIELD.search(str(exc))
-    if found is not None:
-        source = _source_of(found.group(1), given, variables)
         if source is not None:
-            return ConfigError(f"{source}: {exc}")
+            return exc.with_name(source)
+        field: str | None = exc.setting
+    else:
+        found = _AT_FIELD.search(str(exc))
+        if found is not None:
+            source = _source_of(found.group(1), given, variables)
+            if source is not None:
+                return ConfigError(f"{source}: {exc}")
+        top = _AT_TOP_FIELD.search(str(exc))
+        field = None if top is None else top.group(1)
+    if config_file is not None and field in config_file.fields:
+        return ConfigError(f"--config {config_file.path}: {exc}")
     return exc
 
 
@@ -471,6 +504,8 @@ def run_serve(
     # An empty --config (an unset variable) is a missing file, not "no file".
     file_values = file_fields(load_toml(params["config"])) if params["config"] is not None else {}
     adapters = params["l2_adapter"]
+    replaced = [name for name, flag in (("l2_adapters", adapters), ("frontends", params["frontend"])) if flag]
+    config_file = ConfigFile.of(params["config"], file_values, replaced)
     uses_default_l2 = not adapters and "l2_adapters" not in file_values and not params["no_default_l2"]
     if uses_default_l2:
         try:
@@ -492,7 +527,7 @@ def run_serve(
     except ConfigError as exc:
         if uses_default_l2 and "`$.l2_adapters[0]" in str(exc):
             raise _default_l2_error(exc) from None
-        raise name_flag(exc, given, from_env) from exc
+        raise name_flag(exc, given, from_env, config_file) from exc
     warn_unused_broken_plugins(plugin_set)
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "INFO")
     try:
@@ -505,7 +540,7 @@ def run_serve(
     try:
         check_serving(resolved, resolved.auth_token)
     except ConfigError as exc:
-        raise name_flag(exc, given, from_env) from exc
+        raise name_flag(exc, given, from_env, config_file) from exc
     configure_logging()
     for note in notes:
         logger.info("%s", note)
@@ -515,7 +550,9 @@ def run_serve(
         return
     handed_over()  # the server's own stop handling, start-up included, from here on
     code = run_server(
-        resolved, registry=plugin_set.registry, name_setting=lambda exc: name_flag(exc, given, from_env)
+        resolved,
+        registry=plugin_set.registry,
+        name_setting=lambda exc: name_flag(exc, given, from_env, config_file),
     )
     leave_past_stuck_threads(code)
     raise typer.Exit(code)
