@@ -4,11 +4,12 @@ master did not answer."""
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
 from lmcache_plugin_mooncake.cluster import LocalCluster
-from mooncake_helpers import config_for, open_adapter
+from mooncake_helpers import backend_of, config_for, eventually, open_adapter
 
 from lmcache_tiers.errors import ConfigError
 
@@ -44,3 +45,26 @@ def test_a_size_mooncake_cannot_allocate_fails_the_start_naming_its_field(
     for thread in left:
         thread.join(30)
     assert not [thread for thread in left if thread.is_alive()], "no more connection attempts"
+
+
+def test_a_refusal_once_the_master_is_up_is_retried_and_shown(
+    own_cluster: LocalCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The master down while the adapter opens: the start cannot tell the config is
+    # wrong; once it is up, the refusal is the warning's new cause.
+    own_cluster.kill_master()
+    adapter = open_adapter(
+        config_for(own_cluster, global_segment_size=UNALLOCATABLE, operation_timeout_s=1.0)
+    )
+    try:
+        connection = backend_of(adapter).connection
+        with caplog.at_level(logging.WARNING, logger="lmcache_plugin_mooncake.client"):
+            own_cluster.start_master()
+            eventually(lambda: "global_segment_size" in connection.last_error, timeout=90, what="the refusal")
+            eventually(
+                lambda: any("global_segment_size" in record.getMessage() for record in caplog.records),
+                what="the refusal's warning",
+            )
+        assert adapter.stats()["connected"] == 0
+    finally:
+        adapter.close()

@@ -279,10 +279,13 @@ class Connection:
                 store = self._setup()
             except Exception as exc:  # a set-up failure is retried, never raised
                 self.failures += 1
+                # A new cause is always shown (a master back up that refuses the segment).
+                changed = str(exc) != self.last_error
                 self.last_error = str(exc)
                 if self._refuses_start(exc):
                     return
-                log = logger.warning if self.failures in (1, 10) or self.failures % 100 == 0 else logger.debug
+                noted = changed or self.failures == 10 or self.failures % 100 == 0
+                log = logger.warning if noted else logger.debug
                 log(
                     "%s: Mooncake set-up failed (attempt %d): %s; retrying in %.0fs",
                     self.name,
