@@ -549,6 +549,11 @@ def test_a_record_that_does_not_verify_is_a_miss_and_is_removed(
         assert ok == [False]
     assert adapter.stats()["corrupt_records_removed"] == 1
     assert raw.is_exist(name) == 0, "the damaged object was removed from the pool"
+    # Its bytes released as it was removed, not found gone by the next lookup (and taken
+    # for a removal behind the adapter's back).
+    assert adapter.used_bytes() == 0
+    assert BlockingAdapterClient(adapter).lookup_and_lock([key]).found == [False]
+    assert adapter.stats().get("objects_vanished", 0) == 0
     # The load's own checks, without a lookup first.
     assert raw.put(name, bytes(record)) == 0
     assert load(adapter, [key], [SIZE])[0] == [False]

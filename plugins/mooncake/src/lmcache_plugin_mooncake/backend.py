@@ -1214,7 +1214,9 @@ class MooncakeStoreBackend:
         counted: ``corrupt_reads_replaced``); only a replacement in the instant between
         that read and the removal is removed.  An object that cannot be read again is
         removed as judged -- if its judged read proved its size: else it may be another
-        writer's larger record (a miss, ``load_failures``, kept and sized again)."""
+        writer's larger record (a miss, ``load_failures``, kept and sized again).  Once
+        removed (or found gone), its bytes are released (``record_removed``)."""
+        accounted = self.context.accounted_size(key)  # before: a store settling since keeps its own
         changed = self._replaced_since(store, name, size, header, payload)
         if changed is _UNTOLD and not sized:
             self._size_changed(name)
@@ -1241,6 +1243,8 @@ class MooncakeStoreBackend:
         # Gone: nothing to remove, and a remove could only hit the name another writer
         # has reserved since (its put would then fail).
         code = NOT_FOUND if changed is _GONE else store.remove(name, True)
+        if code in (0, NOT_FOUND):
+            self.context.record_removed(key, accounted)
         self.context.count("corrupt_records_removed")
         outcome = {0: "ok", NOT_FOUND: "gone already"}.get(code) or describe(code)
         self._throttle.warn(
