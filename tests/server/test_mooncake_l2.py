@@ -37,7 +37,8 @@ if importlib.util.find_spec("lmcache_plugin_mooncake") is None:
 from lmcache_plugin_mooncake.cluster import LocalCluster, unavailable_reason
 
 CHUNK = 256 << 10
-#: the servers' Mooncake clients listen on loopback only
+#: the servers' Mooncake clients use the loopback address (the 0.3.13 wheel still binds
+#: their listening ports to all interfaces)
 LOOPBACK = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
 
 
