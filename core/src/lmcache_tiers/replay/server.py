@@ -343,7 +343,15 @@ def _worker(
         results.put(("ok", totals))
     except BaseException as exc:  # the parent reports it; a worker must always answer
         # with what it measured until then, which the parent's partial report adds up
-        results.put(("error", (f"{type(exc).__name__}: {exc}", totals)))
+        results.put(("error", (_explained(exc), totals)))
+
+
+def _explained(exc: BaseException) -> str:
+    """A worker's failure as the parent's error line shows it: the client's own errors
+    by their message, as one client's are; anything else (a bug) by its type too."""
+    if isinstance(exc, ClientError) and str(exc):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _end_with(parent: Any) -> None:
