@@ -111,3 +111,19 @@ def test_a_hung_metadata_server_keeps_the_set_up_from_being_tried(mooncake_pool:
         found = unreachable_service(config_for(mooncake_pool, metadata_server=url), 0.5)
     assert found == f"metadata_server {url} does not answer (no answer in time)"
     assert unreachable_service(config_for(mooncake_pool), TIMEOUT_S) is None
+
+
+def test_an_etcd_style_metadata_server_nobody_listens_on_keeps_the_set_up_from_being_tried(
+    mooncake_pool: LocalCluster,
+) -> None:
+    # Mooncake takes host:port for an etcd address: its set-up then holds the GIL ~10 s.
+    service = f"127.0.0.1:{free_port()}"
+    found = unreachable_service(config_for(mooncake_pool, metadata_server=service), TIMEOUT_S)
+    assert found == f"metadata_server {service} does not answer (connection refused)"
+    # One endpoint of several that takes a connection is enough to try.
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        several = f"etcd://{service};etcd://127.0.0.1:{listening.getsockname()[1]}"
+        assert unreachable_service(config_for(mooncake_pool, metadata_server=several), TIMEOUT_S) is None
+    # Forms only Mooncake knows how to reach are left to it.
+    for other in ("P2PHANDSHAKE", "nonsense"):
+        assert unreachable_service(config_for(mooncake_pool, metadata_server=other), TIMEOUT_S) is None

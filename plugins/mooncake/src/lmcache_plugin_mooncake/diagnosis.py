@@ -9,6 +9,7 @@ itself, so that its warning names the field to check.
 from __future__ import annotations
 
 import http.client
+import re
 import socket
 import urllib.error
 import urllib.parse
@@ -20,6 +21,10 @@ __all__ = ["unanswered_services", "unreachable_service"]
 
 #: the key asked of the metadata server (never stored)
 _PROBE_KEY = "lmcache-tiers-setup-probe"
+#: one endpoint of a metadata service written as ``host:port`` (an IPv6 host in brackets)
+_ENDPOINT = re.compile(
+    r"(?:(?:etcd|redis)://)?(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9._-]+)):(?P<port>\d{1,5})"
+)
 
 
 def unanswered_services(config: MooncakeStoreConfig, timeout_s: float) -> str:
@@ -86,12 +91,14 @@ def _master_problem(address: str, timeout_s: float) -> str | None:
 def _metadata_problem(
     config: MooncakeStoreConfig, timeout_s: float, answered_only: bool = False
 ) -> str | None:
-    """Why the HTTP metadata server does not serve, or None if it answers (other kinds
-    of metadata service are not asked); ``answered_only``: None for any answer, HTTP or
+    """Why the HTTP metadata server does not serve, or None if it answers; a metadata
+    service written as ``host:port`` (etcd's form, or ``etcd://``/``redis://`` with one)
+    is asked only whether any of its endpoints takes a connection, and one of another
+    form (``P2PHANDSHAKE``) not at all.  ``answered_only``: None for any answer, HTTP or
     not."""
     url = config.metadata_server
     if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
-        return None
+        return _endpoints_problem(url, timeout_s)
     separator = "&" if "?" in url else "?"
     try:
         with urllib.request.urlopen(f"{url}{separator}key={_PROBE_KEY}", timeout=timeout_s):
@@ -107,6 +114,37 @@ def _metadata_problem(
         if answered_only:
             return None
         return f"metadata_server {url} does not answer as an HTTP metadata server ({_reason(exc)})"
+
+
+def _endpoints(service: str) -> list[tuple[str, int]]:
+    """The ``host:port`` endpoints a metadata service string names (several separated by
+    ``,`` or ``;``, each perhaps behind ``etcd://`` or ``redis://``); none when any part
+    is of another form, whose connections only Mooncake knows how to make."""
+    found = []
+    for part in re.split(r"[,;]", service):
+        match = _ENDPOINT.fullmatch(part.strip())
+        if match is None or not 0 < int(match["port"]) < 65536:
+            return []
+        found.append((match["v6"] or match["name"], int(match["port"])))
+    return found
+
+
+def _endpoints_problem(service: str, timeout_s: float) -> str | None:
+    """Why no endpoint of a ``host:port`` metadata service takes a connection, or None
+    when one does (or the service is of another form).  Mooncake's set-up against an etcd
+    that does not answer holds the GIL for ~10 s: asked first, like the master."""
+    endpoints = _endpoints(service)
+    failures = []
+    for host, port in endpoints:
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+        except OSError as exc:
+            failures.append(_reason(exc))
+            continue
+        return None
+    if not failures:
+        return None
+    return f"metadata_server {service} does not answer ({'; '.join(sorted(set(failures)))})"
 
 
 def _reason(exc: BaseException) -> str:
