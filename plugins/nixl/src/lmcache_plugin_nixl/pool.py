@@ -70,6 +70,10 @@ class SlotStorage(Protocol):
         """Record that slot now holds ``length`` bytes."""
         ...
 
+    def held_bytes(self, slot: int) -> int | None:
+        """How many bytes the slot holds in storage now, None when that cannot be told."""
+        ...
+
     def close(self) -> int:
         """Release the slots (once); how many files failed to close (each logged)."""
         ...
@@ -133,6 +137,12 @@ class FileSlots:
         if os.fstat(fd).st_size > length:
             os.ftruncate(fd, length)
 
+    def held_bytes(self, slot: int) -> int | None:
+        try:
+            return os.fstat(self._buffered[slot]).st_size
+        except OSError:
+            return None
+
     def _close_files(self, *, remove: bool) -> int:
         """Close every slot descriptor, remove the files if asked and unlock the directory;
         how many descriptors failed to close.  One failing close stops none of the rest:
@@ -183,6 +193,9 @@ class ObjectSlots:
         return slot
 
     def written(self, slot: int, length: int) -> None:
+        return None
+
+    def held_bytes(self, slot: int) -> int | None:
         return None
 
     def close(self) -> int:

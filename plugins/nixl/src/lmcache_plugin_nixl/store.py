@@ -235,7 +235,14 @@ class NixlStoreBackend:
         for i, ok in zip(reads, moved, strict=True):
             entry = entries[i]
             assert entry is not None
-            results[i] = ok and self._verified(keys[i], entry, buffers[i])
+            if ok:
+                results[i] = self._verified(keys[i], entry, buffers[i])
+            elif (held := self._storage.held_bytes(entry.slot)) is not None and held < entry.size:
+                # A slot file cut short in storage fails every read alike: dropped as
+                # damaged, not left to fail each lookup's load for good.
+                self._drop_damaged(
+                    keys[i], entry, f"holds {held} bytes, shorter than the {entry.size} its store wrote"
+                )
         return results
 
     def _verified(self, key: ObjectKey, entry: StoredSlot, loaded: memoryview) -> bool:
@@ -245,16 +252,23 @@ class NixlStoreBackend:
         reads it)."""
         if xxhash.xxh3_128_digest(loaded) == entry.digest:
             return True
+        self._drop_damaged(key, entry, "failed its checksum: the bytes in storage changed since the store")
+        return False
+
+    def _drop_damaged(self, key: ObjectKey, entry: StoredSlot, why: str) -> None:
+        """Drop ``key``, whose slot no longer holds what its store wrote, and release its
+        accounting now: a later lookup would take it for a removal behind the adapter's back."""
+        accounted = self.context.accounted_size(key)  # before: a store settling since keeps its own
         if self._slots.drop_damaged(key, entry.slot):
+            self.context.record_removed(key, accounted)
             self.context.count("corrupt_slots_dropped")
         self.context.warn(
             "corrupt_slot",
-            "slot %d of %s failed its checksum: the bytes in storage changed since the store; "
-            "a miss, and the object is dropped",
+            "slot %d of %s %s; a miss, and the object is dropped",
             entry.slot,
             key.file_stem(),
+            why,
         )
-        return False
 
     def _closing(self) -> bool:
         return self.context.closing
