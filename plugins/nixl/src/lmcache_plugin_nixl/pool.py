@@ -14,6 +14,7 @@ with EINVAL.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -72,6 +73,11 @@ class SlotStorage(Protocol):
 
     def held_bytes(self, slot: int) -> int | None:
         """How many bytes the slot holds in storage now, None when that cannot be told."""
+        ...
+
+    def no_space_for(self, slot: int, length: int) -> OSError | None:
+        """After a failed write: the error when the slot's storage has no room for
+        ``length`` bytes (ENOSPC, EDQUOT), else None."""
         ...
 
     def close(self) -> int:
@@ -143,6 +149,16 @@ class FileSlots:
         except OSError:
             return None
 
+    def no_space_for(self, slot: int, length: int) -> OSError | None:
+        # Asked only after a write failed, so the allocation costs nothing on the way of
+        # stores that succeed; blocks it does get stay with the free slot.
+        try:
+            os.posix_fallocate(self._buffered[slot], 0, length)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                return exc
+        return None
+
     def _close_files(self, *, remove: bool) -> int:
         """Close every slot descriptor, remove the files if asked and unlock the directory;
         how many descriptors failed to close.  One failing close stops none of the rest:
@@ -196,6 +212,9 @@ class ObjectSlots:
         return None
 
     def held_bytes(self, slot: int) -> int | None:
+        return None
+
+    def no_space_for(self, slot: int, length: int) -> OSError | None:
         return None
 
     def close(self) -> int:

@@ -128,6 +128,8 @@ class NixlStoreBackend:
     ) -> None:
         for position, ((i, slot), ok) in enumerate(zip(writes, written, strict=True)):
             length = buffers[position].nbytes
+            if not ok:
+                self._explain_failed_write(slot, length)
             if ok:
                 try:
                     self._storage.written(slot, length)
@@ -144,6 +146,22 @@ class NixlStoreBackend:
                 results[i] = True
             else:
                 self._slots.abandon(keys[i], slot)
+
+    def _explain_failed_write(self, slot: int, length: int) -> None:
+        """NIXL tells only that a write failed; a full filesystem (or quota) is the usual
+        cause an operator can act on, so it is told apart, counted and named."""
+        cause = self._storage.no_space_for(slot, length)
+        if cause is not None:
+            self.context.count("store_no_space")
+            self.context.warn(
+                "no_space",
+                "no space left in %s for an object of %d bytes (slot %d), not stored: %s; "
+                "stores fail until space returns",
+                self.config.file_path,
+                length,
+                slot,
+                cause,
+            )
 
     def _abandon_closing(
         self,
