@@ -307,7 +307,10 @@ def run_with_progress(url: str, *, show: bool = True, **options: Any) -> BenchRe
         BarColumn(),
         TimeElapsedColumn(),
         transient=True,
-        disable=not show,
+        console=stdout,
+        # off a terminal a transient bar cannot erase itself: it would leave a blank line
+        # before the figures, or before a refusal's one line, in a file or a pipe
+        disable=not show or not stdout.is_terminal,
         # few redraws: the drawing thread competes with the timed requests for the GIL
         refresh_per_second=2,
     )
