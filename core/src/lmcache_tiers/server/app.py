@@ -76,6 +76,11 @@ AUTH_TOKEN_ENV = "LMCACHE_TIERS_AUTH_TOKEN"
 FRONTEND_REPORT_ERROR = "frontend_report_error"
 #: how long a front end that does not finish its drain is waited for beyond the deadline
 _JOIN_GRACE_S = 5.0
+#: descriptors a front end's ZeroMQ context takes when its first socket starts it
+#: (measured: 6 -- the context's mailbox, the reaper's and the I/O thread's poller and
+#: mailbox, the socket's mailbox).  libzmq aborts the process when it cannot create a
+#: poller, so their room is made sure of first, with a margin.
+_FRONTEND_START_DESCRIPTORS = 8
 #: ``serve``'s exit status after a stop that gave up writes acknowledged to clients (the
 #: flush cut short by a second signal, SIGQUIT or its deadline): distinct from 0 (a stop
 #: that lost nothing), 1 (cannot start, a front end failed, or the stop failed), 2 (a
@@ -234,6 +239,7 @@ class TiersServer:
             os.set_blocking(self._wake_write, False)
             for index, spec in enumerate(config.frontends):
                 try:
+                    _make_sure_descriptors_are_free(_FRONTEND_START_DESCRIPTORS)
                     frontend = create_frontend(
                         registry,
                         index,
@@ -664,6 +670,19 @@ def run_server(
     if banner:
         _print_stop_summary(console, summary)
     return code
+
+
+def _make_sure_descriptors_are_free(count: int) -> None:
+    """Raise EMFILE (an OSError) unless ``count`` more descriptors can be opened now: a
+    start short of them is the one-line refusal naming ``ulimit -n``, not libzmq's abort,
+    which would leave the L1 segment behind."""
+    opened: list[int] = []
+    try:
+        for _ in range(count):
+            opened.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+    finally:
+        for descriptor in opened:
+            os.close(descriptor)
 
 
 def _exit_status(code: int, acknowledged_lost: int) -> int:

@@ -48,11 +48,12 @@ logger = logging.getLogger(__name__)
 _GIB = float(1 << 30)
 _MIB = float(1 << 20)
 #: the least serve starts and answers a client with (measured: 19 held by a native front
-#: end without L2, 26 with the default fs L2); below it no configuration can work, and
-#: libzmq aborts the process on some of those limits.  A higher floor would refuse small
-#: configurations that serve fine: above it a config that needs more meets EMFILE while
-#: starting, which is one line too (``open_files_refusal(..., while_starting=True)``)
-SERVE_OPEN_FILES = 20
+#: end without L2 and without the HTTP endpoint once it serves, 26 with the default fs
+#: L2; its start makes sure of room for libzmq's threads besides, which 21 leaves); below
+#: it no configuration can work.  A higher floor would refuse small configurations that
+#: serve fine: above it a config that needs more meets EMFILE while starting, which is
+#: one line too (``open_files_refusal(..., while_starting=True)``)
+SERVE_OPEN_FILES = 21
 #: what a server with many clients and L2 files in flight needs: each client connection,
 #: L2 file being read or written and NIXL or NVMe transfer holds one
 RECOMMENDED_OPEN_FILES = 1024
