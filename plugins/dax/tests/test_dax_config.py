@@ -261,3 +261,16 @@ def test_a_file_that_cannot_be_preallocated_is_refused_at_start() -> None:
         with pytest.raises(ConfigError, match=r"cannot preallocate .* No space left"):
             open_dax(config(Path(mount) / "dax.img", slots=64))
         assert os.listdir(mount) == [], "the file it created is removed"
+
+
+def test_no_file_is_created_under_dev() -> None:
+    # A missing name under /dev is a mistyped device node (/dev/dax0.1 for /dev/dax0.0):
+    # a file made there would live in devtmpfs memory, not on the device meant.
+    missing = "/dev/lmcache-no-such-dax"
+    cfg = config(missing, slots=4)
+    with pytest.raises(FieldError, match="no file is created under /dev") as caught:
+        DaxBackend.preflight(cfg)
+    assert caught.value.field == "device_path"
+    with pytest.raises(ConfigError, match="no file is created under /dev"):
+        open_dax(cfg)
+    assert not os.path.exists(missing)

@@ -19,6 +19,7 @@ checksummed piece by piece as it is copied (core's ``copy_and_checksum`` /
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ from dataclasses import replace
 
 import numpy as np
 import numpy.typing as npt
-from lmcache_plugin_raw_block.guards import InFlight, probe_device
+from lmcache_plugin_raw_block.guards import InFlight, probe_device, under_dev
 from lmcache_plugin_raw_block.slotheader import SlotHeader, decode_slot_header, record_of
 from lmcache_plugin_raw_block.slots import Claim, SlotEntry, SlotTable
 from lmcache_plugin_raw_block.slotstore import SlotStoreBackend, as_bytes, newer_format
@@ -94,10 +95,13 @@ class DaxBackend(SlotStoreBackend):
     def preflight(config: DaxConfig) -> None:
         """Before L1 exists: every mapping is a character device or a file this user can
         create or open, and no other adapter holds it."""
-        from lmcache_tiers.plugin import check_file
+        from lmcache_tiers.plugin import FieldError, check_file
 
         for index, device in enumerate(config.mappings()):
             field = f"devices[{index}].device_path" if config.devices else "device_path"
+            path = device.device_path
+            if not os.path.exists(path) and under_dev(os.path.realpath(path)):
+                raise FieldError(field, f"{path} does not exist (no file is created under /dev)")
             check_file(device.device_path, field, devices="char")
             probe_device(device.device_path, field, "dax")
 

@@ -17,7 +17,7 @@ import os
 import stat
 
 import numpy as np
-from lmcache_plugin_raw_block.guards import lock_device, remove_created
+from lmcache_plugin_raw_block.guards import lock_device, remove_created, under_dev
 from lmcache_plugin_raw_block.superblock import (
     DAX_MAGIC,
     SIGNATURE_PROBE_BYTES,
@@ -52,6 +52,10 @@ def _open(path: str) -> tuple[int, bool, tuple[str, os.stat_result] | None]:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
+        if under_dev(os.path.realpath(path)):
+            raise ConfigError(
+                f"{_NAME}: device_path {path} does not exist (no file is created under /dev)"
+            ) from None
         mode = stat.S_IFREG
     except OSError as exc:
         raise ConfigError(f"{_NAME}: cannot use device_path {path}: {exc.strerror}") from None

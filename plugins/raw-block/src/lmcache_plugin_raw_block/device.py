@@ -20,6 +20,7 @@ from lmcache_plugin_raw_block.guards import (
     probe_device,
     probe_loop_backing_file,
     remove_created,
+    under_dev,
 )
 from lmcache_plugin_raw_block.superblock import (
     RAW_BLOCK_MAGIC,
@@ -94,19 +95,13 @@ class BlockDevice:
             log.error("%s: %s left open: device calls are still running", _NAME, self.path)
 
 
-def _under_dev(real: str) -> bool:
-    """A missing name under /dev is a mistyped device, not a file to create (/dev/shm aside)."""
-    parent = os.path.dirname(real) or "."
-    return parent == "/dev" or (parent.startswith("/dev/") and not (parent + "/").startswith("/dev/shm/"))
-
-
 def preflight_device(config: RawBlockConfig) -> None:
     """Before L1 exists: ``device_path`` is a block device or a regular file, or a file
     this user can create (with ``capacity_bytes``), and no other adapter holds it."""
     from lmcache_tiers.plugin import FieldError, check_file
 
     path = config.device_path
-    if not os.path.exists(path) and _under_dev(os.path.realpath(path)):
+    if not os.path.exists(path) and under_dev(os.path.realpath(path)):
         raise FieldError("device_path", f"{path} does not exist (no file is created under /dev)")
     if not os.path.exists(path) and config.capacity_bytes == 0:
         raise FieldError(
@@ -147,7 +142,7 @@ def _missing(config: RawBlockConfig) -> os.stat_result | None:
         )
     real = os.path.realpath(path)
     parent = os.path.dirname(real) or "."
-    if _under_dev(real):
+    if under_dev(real):
         raise ConfigError(f"{_NAME}: device_path {path} does not exist (no file is created under /dev)")
     if not os.path.isdir(parent):
         raise ConfigError(f"{_NAME}: device_path {path}: directory {parent} does not exist")

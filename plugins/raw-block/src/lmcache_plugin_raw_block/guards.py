@@ -21,6 +21,13 @@ from lmcache_tiers.plugin import ConfigError, FieldError, check_claimed_once
 log = logging.getLogger(__name__)
 
 
+def under_dev(real: str) -> bool:
+    """A missing name under /dev is a mistyped device, not a file to create (/dev/shm aside):
+    a file made there would live in devtmpfs memory, not on the device meant."""
+    parent = os.path.dirname(real) or "."
+    return parent == "/dev" or (parent.startswith("/dev/") and not (parent + "/").startswith("/dev/shm/"))
+
+
 def _in_use(path: str, type_name: str) -> str:
     return (
         f"{path} is in use by another {type_name} adapter (this server or another one holds "
