@@ -146,7 +146,8 @@ def test_no_server_is_a_note_then_one_error_line_at_the_timeout(tmp_path: Path, 
             "replay": f"replay through {url} failed",
         }[name]
         assert error == (
-            f"error: {failed}: no answer within --timeout 4 s: is the server running and listening there?"
+            f"error: {failed}: no answer within --timeout 4 s: is the server running, with a native "
+            "front end listening there? (an lmcache_mp front end does not answer this command)"
         ), (name, error)
 
 

@@ -81,5 +81,8 @@ def wait_for_server(url: str, *, timeout: float, auth_token: str | None) -> None
             noticed = True
             next_notice = now + NOTICE_EVERY_S
     raise NoAnswerError(
-        f"no answer within --timeout {timeout:g} s: is the server running and listening there?"
+        # The commands speak the native protocol: an lmcache_mp front end at the address
+        # (the doc's LMCache-only example uses the default URL's port) never answers them.
+        f"no answer within --timeout {timeout:g} s: is the server running, with a native front end "
+        "listening there? (an lmcache_mp front end does not answer this command)"
     )
