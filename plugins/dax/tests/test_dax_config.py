@@ -118,7 +118,7 @@ def test_two_adapters_on_one_mapping_are_refused() -> None:
         cfg = config(directory / "dax.img")
         first = open_dax(cfg)
         try:
-            with pytest.raises(ConfigError, match="in use by another dax adapter"):
+            with pytest.raises(ConfigError, match="in use by another raw_block or dax adapter"):
                 open_dax(cfg)
         finally:
             first.close()
@@ -141,8 +141,8 @@ def test_the_preflight_refuses_a_mapping_another_process_holds() -> None:
                 DaxBackend.preflight(cfg)
             assert caught.value.field == "devices[1].device_path"
             assert str(caught.value) == (
-                f"{second} is in use by another dax adapter (this server or another one holds its "
-                "lock); give each adapter a device of its own"
+                f"{second} is in use by another raw_block or dax adapter (this server or another one "
+                "holds its lock); give each adapter a device of its own"
             )
         DaxBackend.preflight(cfg)
         assert sorted(os.listdir(directory)) == ["b.img"]  # nothing created, nothing written
@@ -274,3 +274,24 @@ def test_no_file_is_created_under_dev() -> None:
     with pytest.raises(ConfigError, match="no file is created under /dev"):
         open_dax(cfg)
     assert not os.path.exists(missing)
+
+
+def test_a_file_a_dax_adapter_holds_is_refused_to_raw_block_without_naming_the_wrong_kind() -> None:
+    # flock tells that the file is held, not by which kind of adapter: the line names both,
+    # so an operator does not look for a raw_block server that is not there.
+    from lmcache_plugin_raw_block import RawBlockConfig
+    from lmcache_plugin_raw_block.backend import RawBlockBackend
+
+    with shm_dir() as directory:
+        cfg = config(directory / "dax.img")
+        adapter = open_dax(cfg)
+        try:
+            raw = RawBlockConfig(device_path=cfg.device_path or "", slot_bytes=SLOT + 4096)
+            with pytest.raises(FieldError) as caught:
+                RawBlockBackend.preflight(raw)
+            assert str(caught.value) == (
+                f"{cfg.device_path} is in use by another raw_block or dax adapter (this server or "
+                "another one holds its lock); give each adapter a device of its own"
+            )
+        finally:
+            adapter.close()

@@ -182,7 +182,7 @@ def test_the_preflight_refuses_a_device_another_process_holds(tmp_path: Path) ->
             RawBlockBackend.preflight(cfg)
         assert caught.value.field == "device_path"
         assert str(caught.value) == (
-            f"{cfg.device_path} is in use by another raw_block adapter (this server or another one "
+            f"{cfg.device_path} is in use by another raw_block or dax adapter (this server or another one "
             "holds its lock); give each adapter a device of its own"
         )
         with pytest.raises(ConfigError, match=f"raw_block: {cfg.device_path} is in use by another"):
@@ -210,7 +210,8 @@ def test_the_preflight_refuses_two_adapters_of_one_config_on_one_device(tmp_path
     (tmp_path / "dev.img").write_bytes(b"")
     server = build_config(registry, {"l2_adapters": specs})
     with pytest.raises(
-        ConfigError, match=r"in use by another raw_block adapter .* - at `\$\.l2_adapters\[2\]\.device_path`$"
+        ConfigError,
+        match=r"in use by another raw_block or dax adapter .* - at `\$\.l2_adapters\[2\]\.device_path`$",
     ):
         preflight_adapters(registry, server)
     preflight_adapters(registry, build_config(registry, {"l2_adapters": specs[:2]}))
@@ -220,7 +221,7 @@ def test_two_adapters_on_one_device_are_refused(tmp_path: Path) -> None:
     cfg = config(tmp_path / "dev.img")
     first = open_raw(cfg)
     try:
-        with pytest.raises(ConfigError, match="in use by another raw_block adapter"):
+        with pytest.raises(ConfigError, match="in use by another raw_block or dax adapter"):
             open_raw(cfg)
         # a symlink leads to the same file, and to the same lock
         link = tmp_path / "link.img"

@@ -131,7 +131,7 @@ def test_the_file_behind_a_loop_device_in_use_is_refused_and_the_other_way_round
         first = open_raw(on_device)
         try:
             assert store(first, make_keys(1), [b"a" * 1000]) == [True]
-            with pytest.raises(ConfigError, match="in use by another raw_block adapter"):
+            with pytest.raises(ConfigError, match="in use by another raw_block or dax adapter"):
                 open_raw(on_file)
             assert load(first, make_keys(1), [1000]) == ([True], [b"a" * 1000])
         finally:
@@ -157,7 +157,7 @@ def test_loop_devices_over_parts_of_one_file_run_side_by_side_and_hold_the_file(
         try:
             for adapter, key, payload in zip(adapters, keys, data, strict=True):
                 assert store(adapter, [key], [payload]) == [True]
-            with pytest.raises(ConfigError, match="in use by another raw_block adapter"):
+            with pytest.raises(ConfigError, match="in use by another raw_block or dax adapter"):
                 open_raw(sized_config(backing))
             for adapter, key, payload in zip(adapters, keys, data, strict=True):
                 assert load(adapter, [key], [len(payload)]) == ([True], [payload])

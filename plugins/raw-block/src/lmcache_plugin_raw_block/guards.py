@@ -28,10 +28,12 @@ def under_dev(real: str) -> bool:
     return parent == "/dev" or (parent.startswith("/dev/") and not (parent + "/").startswith("/dev/shm/"))
 
 
-def _in_use(path: str, type_name: str) -> str:
+def _in_use(path: str) -> str:
+    # The lock tells that the device is held, not by which kind of adapter: raw_block and
+    # dax take the same one.
     return (
-        f"{path} is in use by another {type_name} adapter (this server or another one holds "
-        "its lock); give each adapter a device of its own"
+        f"{path} is in use by another raw_block or dax adapter (this server or another one "
+        "holds its lock); give each adapter a device of its own"
     )
 
 
@@ -45,7 +47,7 @@ def lock_device(fd: int, path: str, type_name: str) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise ConfigError(f"{type_name}: {_in_use(path, type_name)}") from None
+        raise ConfigError(f"{type_name}: {_in_use(path)}") from None
     except OSError as exc:
         # Unlocked, a second server could share the device: refused, not run without it.
         raise ConfigError(
@@ -266,7 +268,7 @@ def probe_device(path: str, field: str, type_name: str) -> None:
     written, kept or created (a missing file is free).  Best effort: the open, which takes
     the lock for good, stays the authority.
     """
-    check_claimed_once(_identity(path), field, _in_use(path, type_name))
+    check_claimed_once(_identity(path), field, _in_use(path))
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:  # missing, or not readable: the open says what it says
@@ -275,7 +277,7 @@ def probe_device(path: str, field: str, type_name: str) -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise FieldError(field, _in_use(path, type_name)) from None
+            raise FieldError(field, _in_use(path)) from None
         except OSError:
             return
         fcntl.flock(fd, fcntl.LOCK_UN)
