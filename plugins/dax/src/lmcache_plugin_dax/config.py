@@ -25,7 +25,7 @@ class DaxDevice(ComponentConfig):
             min_length=1,
             description=lmcache_field(
                 "A device DAX node (/dev/daxX.Y) or a regular file (created, or extended and "
-                "preallocated, to max_dax_size_gb)."
+                "preallocated, to max_dax_size_gb; never created under /dev but /dev/shm)."
             ),
         ),
     ]
