@@ -22,6 +22,7 @@ from lmcache_plugin_fs.temp_dirs import TempDirRecord
 from lmcache_plugin_fs.unrecorded_temp_dirs import report_unrecorded_in_listing, report_unrecorded_temp_dirs
 from lmcache_tiers.plugin import (
     BackendContext,
+    BackendUnavailableError,
     ConfigError,
     DirectoryLock,
     FileLayout,
@@ -185,6 +186,11 @@ class FsBackend:
         except (ImportError, ValueError) as exc:
             reason = redact_url_secrets(str(exc))  # it may quote the URL, password and all
             raise ConfigError(f"fs: cannot open {shown(config.root)}: {reason}") from exc
+        except OSError as exc:
+            # A store that connects as it is opened (ftp, sftp, smb) and does not answer:
+            # not a mistake in the config, but the line must say which store it is.
+            reason = redact_url_secrets(str(exc))
+            raise BackendUnavailableError(f"fs: cannot reach {shown(config.root)}: {reason}") from exc
         # memory:// lives in this process: one adapter per path is the whole rule. Other
         # remote stores cannot be locked from here; give each server its own path.
         self._lock = ProcessClaim(_store_identity(fs.protocol, root), what=_store_what(config.root))

@@ -1,0 +1,31 @@
+"""An fsspec store that refuses the connection when the adapter opens it: the start-up
+fails with one line naming the adapter and the store (its password left out)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from fs_helpers import fs_config, open_fs
+
+from lmcache_tiers.plugin import BackendUnavailableError
+
+SECRET = "s3cr3t-pw"
+
+
+def closed_loopback_port() -> int:
+    """A loopback port nothing listens on (bound, then let go: a connection is refused)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_a_store_refusing_the_connection_names_the_adapter_and_the_url() -> None:
+    root = f"ftp://reader:{SECRET}@127.0.0.1:{closed_loopback_port()}/kv"
+    with pytest.raises(BackendUnavailableError) as caught:
+        open_fs(fs_config(root))
+    told = str(caught.value)
+    assert told.startswith("fs: cannot reach ftp://reader:***@127.0.0.1:"), told
+    assert "Connection refused" in told
+    assert SECRET not in told
+    assert "\n" not in told
