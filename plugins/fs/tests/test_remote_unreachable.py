@@ -29,3 +29,11 @@ def test_a_store_refusing_the_connection_names_the_adapter_and_the_url() -> None
     assert "Connection refused" in told
     assert SECRET not in told
     assert "\n" not in told
+
+
+def test_a_tree_that_cannot_be_listed_fails_the_start() -> None:
+    # fsspec's generic listing leaves out a directory it cannot list: the store would
+    # start as if empty, its records neither accounted nor swept.
+    root = f"http://127.0.0.1:{closed_loopback_port()}/kv"
+    with pytest.raises(OSError, match=r"^0:fs-test: cannot list http://127\.0\.0\.1:\d+/kv: "):
+        open_fs(fs_config(root))

@@ -66,6 +66,22 @@ class _Closing(Exception):
     """A store stopped because its adapter started closing (nothing published)."""
 
 
+def _raising_listing(fs: Any) -> dict[str, str]:
+    """What makes ``fs.find`` raise for a directory it cannot list.  fsspec's generic walk
+    leaves such a directory out (``on_error="omit"``), so an unreachable store would look
+    empty: its records neither accounted nor swept.  Stores with a ``find`` of their own
+    (s3fs) raise already, and take no ``on_error``."""
+    from fsspec.asyn import AsyncFileSystem
+    from fsspec.spec import AbstractFileSystem
+
+    kind = type(fs)
+    if isinstance(fs, AsyncFileSystem):
+        generic = getattr(kind, "_find", None) is AsyncFileSystem._find
+    else:
+        generic = getattr(kind, "find", None) is AbstractFileSystem.find
+    return {"on_error": "raise"} if generic else {}
+
+
 class RemoteRecords:
     """Reads and writes the record files of one ``fs`` adapter through an fsspec filesystem."""
 
@@ -395,7 +411,7 @@ class RemoteRecords:
         cannot be listed raises, or is told to ``on_unlisted`` (a sweep) and yields nothing.
         The paths of the other files are appended to ``elsewhere`` when given."""
         try:
-            found = self.fs.find(self.layout.root, detail=True, withdirs=False)
+            found = self.fs.find(self.layout.root, detail=True, withdirs=False, **_raising_listing(self.fs))
         except FileNotFoundError:
             return
         except Exception as exc:  # OSError, or what an fsspec store raises of its own
