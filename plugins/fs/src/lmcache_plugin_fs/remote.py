@@ -66,11 +66,13 @@ class _Closing(Exception):
     """A store stopped because its adapter started closing (nothing published)."""
 
 
-def _raising_listing(fs: Any) -> dict[str, str]:
+def _raising_listing(fs: Any) -> dict[str, Any]:
     """What makes ``fs.find`` raise for a directory it cannot list.  fsspec's generic walk
     leaves such a directory out (``on_error="omit"``), so an unreachable store would look
-    empty: its records neither accounted nor swept.  Stores with a ``find`` of their own
-    (s3fs) raise already, and take no ``on_error``."""
+    empty: its records neither accounted nor swept.  A directory not found is still left
+    out (a root not made yet is an empty store; a shard directory gone since the listing
+    of its parent holds nothing to list).  Stores with a ``find`` of their own (s3fs) raise
+    already, and take no ``on_error``."""
     from fsspec.asyn import AsyncFileSystem
     from fsspec.spec import AbstractFileSystem
 
@@ -79,7 +81,12 @@ def _raising_listing(fs: Any) -> dict[str, str]:
         generic = getattr(kind, "_find", None) is AsyncFileSystem._find
     else:
         generic = getattr(kind, "find", None) is AbstractFileSystem.find
-    return {"on_error": "raise"} if generic else {}
+    return {"on_error": _raise_unless_not_found} if generic else {}
+
+
+def _raise_unless_not_found(exc: BaseException) -> None:
+    if not isinstance(exc, FileNotFoundError):
+        raise exc
 
 
 class RemoteRecords:
