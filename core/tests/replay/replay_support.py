@@ -4,6 +4,10 @@ import json
 import random
 from pathlib import Path
 
+import pytest
+
+from lmcache_tiers.cli.main import main
+
 
 def synthetic_lines(seed: int, requests: int = 300, prompts: int = 25) -> list[dict[str, object]]:
     """Prefix-structured traffic: popular prompts (chains of block ids) sent again with a
@@ -39,3 +43,14 @@ def synthetic_lines(seed: int, requests: int = 300, prompts: int = 25) -> list[d
 def write_trace(path: Path, lines: list[dict[str, object]]) -> Path:
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
+
+
+def run_replay(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``lmcache-tiers replay ARGS`` in this process: its exit code, stdout and stderr."""
+    try:
+        main(["replay", *args])
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err

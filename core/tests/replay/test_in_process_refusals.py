@@ -6,19 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from replay_support import synthetic_lines, write_trace
-
-from lmcache_tiers.cli.main import main
-
-
-def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(["replay", *args])
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+from replay_support import run_replay, synthetic_lines, write_trace
 
 
 @pytest.fixture
@@ -29,7 +17,7 @@ def trace(tmp_path: Path) -> str:
 def test_l1_blocks_and_l1_size_gb_on_the_command_line_are_refused(
     capsys: pytest.CaptureFixture[str], trace: str
 ) -> None:
-    code, out, err = _run(capsys, trace, "--in-process", "--l1-blocks", "10", "--l1-size-gb", "0.01")
+    code, out, err = run_replay(capsys, trace, "--in-process", "--l1-blocks", "10", "--l1-size-gb", "0.01")
     assert code == 2 and out == ""
     assert err.strip() == "error: give --l1-blocks or --l1-size-gb, not both"
 
@@ -48,7 +36,7 @@ def test_l1_blocks_with_a_config_file_that_sizes_l1_names_the_file(
 ) -> None:
     config = tmp_path / "serve.toml"
     config.write_text(lines)
-    code, out, err = _run(capsys, trace, "--in-process", "--l1-blocks", "10", "--config", str(config))
+    code, out, err = run_replay(capsys, trace, "--in-process", "--l1-blocks", "10", "--config", str(config))
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1, err
     # not "--l1-size-gb", a flag the operator never gave

@@ -31,12 +31,17 @@ def _option_rows(help_text: str) -> dict[str, str]:
     return {name: " ".join(row.split()) for name, row in rows.items()}
 
 
+def _help_rows(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """``replay --help``'s option rows, printed wide enough that no row is cut."""
+    monkeypatch.setenv("COLUMNS", "250")
+    main(["replay", "--help"])
+    return _option_rows(capsys.readouterr().out)
+
+
 def test_every_option_with_a_value_shows_its_default(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("COLUMNS", "250")
-    main(["replay", "--help"])
-    rows = _option_rows(capsys.readouterr().out)
+    rows = _help_rows(capsys, monkeypatch)
     assert {"--url", "--limit", "--capacity", "--l2-adapter", "--config"} <= rows.keys(), sorted(rows)
     missing = sorted(name for name, row in rows.items() if "[default:" not in row)
     assert not missing, f"no default shown for {', '.join(missing)}"
@@ -45,9 +50,7 @@ def test_every_option_with_a_value_shows_its_default(
 def test_the_defaults_say_what_leaving_an_option_out_means(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("COLUMNS", "250")
-    main(["replay", "--help"])
-    rows = _option_rows(capsys.readouterr().out)
+    rows = _help_rows(capsys, monkeypatch)
     assert "[default: tcp://127.0.0.1:5555]" in rows["--url"]
     assert "[default: every request]" in rows["--limit"]
     # serve falls back on an embedded L2 in the user's cache directory; an in-process replay never
@@ -58,7 +61,5 @@ def test_the_timeout_says_what_it_bounds_in_process(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # It applies to --in-process too, where there is no server to reply or to wait for.
-    monkeypatch.setenv("COLUMNS", "250")
-    main(["replay", "--help"])
-    row = _option_rows(capsys.readouterr().out)["--timeout"]
+    row = _help_rows(capsys, monkeypatch)["--timeout"]
     assert "in-process, for each L2 load and for the L2 stores still in flight at the end" in row

@@ -7,19 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from replay_support import synthetic_lines, write_trace
-
-from lmcache_tiers.cli.main import main
-
-
-def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(["replay", *args])
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+from replay_support import run_replay, synthetic_lines, write_trace
 
 
 @pytest.fixture
@@ -32,7 +20,7 @@ def test_an_eviction_ratio_without_a_watermark_is_refused(
 ) -> None:
     # The ratio is what a background round frees, and --simulate runs no background round
     # unless a watermark is given: the figures would be those without it, whatever it said.
-    code, out, err = _run(capsys, trace, "--simulate", "--capacity", "8", "--eviction-ratio", "0.5")
+    code, out, err = run_replay(capsys, trace, "--simulate", "--capacity", "8", "--eviction-ratio", "0.5")
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1, err
     assert "--eviction-ratio" in err and "--eviction-trigger-watermark" in err
@@ -41,7 +29,7 @@ def test_an_eviction_ratio_without_a_watermark_is_refused(
 def test_an_eviction_ratio_with_a_watermark_is_simulated(
     capsys: pytest.CaptureFixture[str], trace: str
 ) -> None:
-    code, out, err = _run(
+    code, out, err = run_replay(
         capsys,
         trace,
         "--simulate",
@@ -65,7 +53,7 @@ def test_l2_capacities_that_do_not_match_the_default_capacities_say_so(
 ) -> None:
     # Without --capacity, "one --l2-capacity per --capacity (1)" named a count of values the
     # operator never gave.
-    code, out, err = _run(capsys, trace, "--simulate", "--l2-capacity", "1k,2k")
+    code, out, err = run_replay(capsys, trace, "--simulate", "--l2-capacity", "1k,2k")
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1, err
     assert "default capacities" in err and "--capacity" in err and "2" in err
@@ -74,6 +62,6 @@ def test_l2_capacities_that_do_not_match_the_default_capacities_say_so(
 def test_an_empty_plot_file_name_is_refused(capsys: pytest.CaptureFixture[str], trace: str) -> None:
     # --plot "$OUT" with OUT unset: the simulation ran and printed its tables, and no
     # plot was drawn, without a word.
-    code, out, err = _run(capsys, trace, "--simulate", "--capacity", "8", "--plot", "")
+    code, out, err = run_replay(capsys, trace, "--simulate", "--capacity", "8", "--plot", "")
     assert code == 2 and out == ""
     assert err.strip() == "error: --plot '' names no file; leave it out for no plot"
