@@ -33,6 +33,13 @@ def open_fs(
     return adapter
 
 
+def fs_backend(adapter: BackendAdapter) -> FsBackend:
+    """The fs backend of ``adapter``: behind core's circuit breaker for an fsspec URL."""
+    backend = getattr(adapter.backend, "inner", adapter.backend)
+    assert isinstance(backend, FsBackend)
+    return backend
+
+
 def client(adapter: Any) -> BlockingAdapterClient:
     return BlockingAdapterClient(adapter, timeout=60.0)
 
@@ -47,6 +54,7 @@ __all__ = [
     "Arena",
     "client",
     "flip_byte",
+    "fs_backend",
     "fs_config",
     "load",
     "open_fs",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from fs_helpers import Arena, fs_config, load, open_fs, store
+from fs_helpers import Arena, fs_backend, fs_config, load, open_fs, store
 from lmcache_plugin_fs import FsConfig
 
 from lmcache_tiers.errors import ConfigError
@@ -74,7 +74,7 @@ def test_auto_on_a_ramfs_goes_through_the_page_cache(
     with caplog.at_level(logging.INFO, logger="lmcache_plugin_fs.backend"):
         adapter = open_fs(fs_config(str(ramfs_dir / "l2"), use_odirect="auto"), arena.view)
     try:
-        assert adapter.backend.direct_io is False  # type: ignore[attr-defined]
+        assert fs_backend(adapter).direct_io is False
         assert any(
             "refuses O_DIRECT" in r.getMessage() and "page cache" in r.getMessage() for r in caplog.records
         )
@@ -92,7 +92,7 @@ def test_auto_on_a_disk_uses_direct_io(disk_dir: Path, size: int) -> None:
     data = [pattern(60, size), pattern(61, size // 3 + 1)]
     adapter = open_fs(fs_config(str(disk_dir / "l2"), use_odirect="auto"), arena.view)
     try:
-        assert adapter.backend.direct_io is True  # type: ignore[attr-defined]
+        assert fs_backend(adapter).direct_io is True
         assert store(adapter, arena, keys, data) == [True, True]
         assert load(adapter, arena, keys, [len(d) for d in data]) == ([True, True], data)
         assert adapter.stats().get("direct_io_fallbacks", 0) == 0, "aligned buffers take the O_DIRECT path"
@@ -103,7 +103,7 @@ def test_auto_on_a_disk_uses_direct_io(disk_dir: Path, size: int) -> None:
 def test_false_stays_buffered_on_a_disk(disk_dir: Path) -> None:
     adapter = open_fs(fs_config(str(disk_dir / "l2")))
     try:
-        assert adapter.backend.direct_io is False  # type: ignore[attr-defined]
+        assert fs_backend(adapter).direct_io is False
     finally:
         adapter.close()
 
@@ -112,7 +112,7 @@ def test_auto_is_accepted_for_fsspec_urls_and_other_strings_are_not() -> None:
     assert fs_config("memory://auto-direct", use_odirect="auto").use_odirect == "auto"
     adapter = open_fs(fs_config(f"memory://auto-direct-{os.getpid()}", use_odirect="auto"))
     try:
-        assert adapter.backend.direct_io is False  # type: ignore[attr-defined]
+        assert fs_backend(adapter).direct_io is False
     finally:
         adapter.close()
     with pytest.raises(msgspec.ValidationError):

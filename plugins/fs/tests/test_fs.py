@@ -20,6 +20,7 @@ from fs_helpers import (
     client,
     closed_past_a_stuck_call,
     flip_byte,
+    fs_backend,
     fs_config,
     load,
     open_fs,
@@ -1167,7 +1168,7 @@ def test_a_close_removing_records_on_a_hung_mount_does_not_hold_the_stop(
     keys = make_keys(2)
     adapter = open_fs(fs_config(str(tmp_path), persist_enabled=False), arena.view)
     assert store(adapter, arena, keys, [pattern(i, SIZE) for i in range(2)]) == [True, True]
-    tree = adapter.backend._tree  # type: ignore[attr-defined]
+    tree = fs_backend(adapter)._tree
     remove_all_records = tree.remove_all_records
     entered, gate, closed = threading.Event(), threading.Event(), threading.Event()
 
@@ -1222,7 +1223,7 @@ def test_a_close_that_cannot_remove_one_record_removes_the_rest_and_counts_it(
         remove(path)
 
     if remote:
-        tree = adapter.backend._tree  # type: ignore[attr-defined]
+        tree = fs_backend(adapter)._tree
         rm_file = tree.fs.rm_file
         monkeypatch.setattr(tree.fs, "rm_file", lambda path: refuse(path, rm_file))
     else:
@@ -1264,7 +1265,7 @@ def test_a_close_that_cannot_list_a_directory_removes_the_rest_and_counts_it(
     assert len({os.path.dirname(path) for path in records}) == (1 if remote else 4)
     if remote:
         unreadable = root
-        tree = adapter.backend._tree  # type: ignore[attr-defined]
+        tree = fs_backend(adapter)._tree
 
         def refuse_find(path: str, **options: Any) -> Any:
             raise PermissionError(13, "injected: permission denied", str(path))

@@ -134,6 +134,14 @@ class FsBackend:
             raise
 
     @property
+    def remote(self) -> bool:
+        """An fsspec URL's store is reached over a network that may go away: core puts such
+        a backend behind its circuit breaker by default (``circuit``), as it does the
+        other remote adapters, so that an outage answers misses at once instead of every
+        call waiting for the filesystem's timeouts; a local directory is not."""
+        return not self.config.is_local
+
+    @property
     def direct_io(self) -> bool:
         """Whether records move with O_DIRECT (``use_odirect`` true, or "auto" where the
         filesystem takes it)."""
