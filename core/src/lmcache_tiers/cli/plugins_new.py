@@ -3,9 +3,8 @@
 Each kind's skeleton (``cli/skeletons/<kind>/``) is a working component -- an in-memory
 L2 backend, an every-key store policy, a lowest-index prefetch policy, a FIFO eviction
 policy, a framing serde, a front end speaking a small JSON protocol over ZeroMQ -- with
-the manifest, a test that subclasses the conformance suite of its kind (serdes: a
-discoverability test and a round trip), a README and a pyproject whose entry point is all
-core needs to find it.
+the manifest, a test that subclasses the conformance suite of its kind, a README and a
+pyproject whose entry point is all core needs to find it.
 """
 
 from __future__ import annotations
@@ -81,7 +80,7 @@ _SKELETONS = {
         "serde",
         "serde",
         "the serde `{component}` (frames each object with its length)",
-        "checks discoverability (`ComponentSuite`) and a round trip within the declared bound",
+        "subclasses `SerdeSuite`, the conformance suite of serdes",
         'Use it in an adapter\'s chain: `"serde": [{{"type": "{component}"}}]`.',
     ),
     SkeletonKind.FRONTEND: _Skeleton(
