@@ -122,3 +122,35 @@ def test_a_plain_backend_whose_open_raises_stops_serve_as_the_guide_says(tmp_pat
     assert line.startswith("error: cannot start the server: "), line
     assert line.endswith("RuntimeError: the store refused the session"), line
     assert "a plain `open` that raises makes `serve` refuse to start, one line and exit 1" in guide_text()
+
+
+SECOND_FS = """
+from lmcache_tiers.plugin import L2AdapterConfig, hookimpl
+
+
+@hookimpl
+def tiers_register_l2_adapters(registry):
+    registry.add("fs", "guide_secondfs:Backend", L2AdapterConfig)
+"""
+
+
+def test_plugins_show_of_a_plugin_registering_a_taken_name_warns_as_the_guide_says(tmp_path: Path) -> None:
+    install_flat_plugin(tmp_path, "secondfs", SECOND_FS)
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    environ = dict(os.environ, PYTHONPATH=path, COLUMNS="300")
+    result = subprocess.run(
+        [*CLI, "plugins", "show", "secondfs"], capture_output=True, text=True, env=environ, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    [warning] = result.stderr.strip().splitlines()
+    assert warning.startswith("warning: ") and "'fs'" in warning, warning
+    assert "lmcache-plugin-secondfs" in warning and "lmcache-plugin-fs" in warning, warning
+    assert "l2_adapter:fs  (plugin lmcache-plugin-secondfs)" in result.stdout, result.stdout
+    text = guide_text()
+    assert (
+        "`plugins show` of either warns with the conflict on one line and shows the component (exit 0)"
+        in text
+    )
+    # a conflict is not the error of the plugin that registered second
+    assert "registers a component another plugin registered already or" not in text
