@@ -1016,6 +1016,43 @@ def test_a_failed_header_read_misses_only_its_key(
     second.unlock(keys)
 
 
+def test_an_unreadable_header_of_a_key_another_server_stored_misses_only_that_key(
+    mooncake_pool: LocalCluster, adapters: list[BackendAdapter]
+) -> None:
+    """Without a serde chain, a key this server does not account (another server stored it
+    after this one listed the pool) is sized from its record header.  When that read fails
+    -- the object sits in the segment of a server that was killed, until the master drops
+    the segment -- the key is a miss of its own: the lookup's other keys are hits, and no
+    failed call is counted against the pool (repeated, such failures opened the circuit,
+    every lookup a miss, while the master answered throughout)."""
+    config = config_for(mooncake_pool, master_metrics_url=None)
+    first = open_adapter(config)
+    keys = make_keys(3)
+    data = store(first, keys)
+    first.close()
+    second = open_adapter(config)
+    adapters.append(second)
+    assert second.used_bytes() == 0 and second.l1_size_of(keys[1]) is None
+    backend = backend_of(second)
+    failing = name_of(second, keys[1])
+    with wrapped_client(backend, lambda real: _OneFailingHeaderRead(real, failing)):
+        result = BlockingAdapterClient(second).lookup_and_lock(keys)
+    hits = [key for key, hit in zip(keys, result.found, strict=True) if hit]
+    if hits:
+        ok, contents = load(second, hits, [SIZE] * len(hits))
+        second.unlock(hits)
+    assert result.found == [True, False, True], "one unreadable header failed the whole lookup"
+    assert ok == [True, True] and contents == [data[0], data[2]]
+    stats = second.stats()
+    assert stats["header_read_failures"] == 1
+    assert stats.get("backend_errors", 0) == 0, "a segment's failed read counted against the pool"
+    assert stats.get("objects_vanished", 0) == 0
+    assert second.used_bytes() == 2 * SIZE, "only the two hits are accounted"
+    result = BlockingAdapterClient(second).lookup_and_lock(keys)
+    assert result.found == [True, True, True], "the object whose header failed was left alone"
+    second.unlock(keys)
+
+
 def test_the_listing_logs_the_names_it_cannot_read_as_keys(
     mooncake_pool: LocalCluster, adapters: list[BackendAdapter], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -221,6 +221,13 @@ _GIVEN_UP = 1
 _HEADER_TOO_LONG = 2
 
 
+class _FailBatch:
+    """The answer for a key whose unreadable header only failing its whole lookup covers."""
+
+
+_FAIL_BATCH = _FailBatch()
+
+
 @dataclass
 class _StoreBatch:
     """The records of one ``put_many``, by key: object name, header, record size, payload."""
@@ -810,18 +817,30 @@ class MooncakeStoreBackend:
             self._sizes_from_headers(store, keys, names, [need_header[i] for i in chunk], found, reread)
         return found
 
-    def _unread_answer(self, name: str, stored: int | ObjectSize | None, reread: set[str]) -> int | None:
+    def _unread_answer(
+        self, key: ObjectKey, name: str, stored: int | ObjectSize | None, reread: set[str]
+    ) -> int | _FailBatch | None:
         """What a lookup answers for an existing object whose record header could not be
-        read; None when only failing the whole batch is safe.
+        read (a miss either way); ``_FAIL_BATCH`` when only failing the whole batch is safe.
 
         Under a serde chain the stored payload size alone is a miss that releases
         nothing: core cannot derive the L1 size from it (``lookup_size_unknown``), and
         unlike an absent answer it does not take the key for removed.  Without a chain
         core would take that size for a hit of a record never verified to be this
-        key's, and a name a delete kept (``reread``) must be read, not answered."""
-        if not self.context.serde or name in reread or not isinstance(stored, int):
+        key's; absent is the miss then, which releases nothing of a key core does not
+        account (another server stored it).  So the object of a segment host that died,
+        still listed until the master drops the segment, misses its own key, not every
+        key of the lookup: failed lookups, repeated, would open the circuit that guards
+        the master while the master answers.  An accounted key would be released as
+        removed behind the adapter's back, and a name a delete kept (``reread``) must be
+        read, not answered."""
+        if name in reread:
+            return _FAIL_BATCH
+        if self.context.serde and isinstance(stored, int):
+            return stored
+        if self.context.l1_size_of(key) is None:
             return None
-        return stored
+        return _FAIL_BATCH
 
     def _known_size(self, key: ObjectKey, name: str) -> int | None:
         """The payload size of an existing object when core already knows it: without a
@@ -903,8 +922,11 @@ class MooncakeStoreBackend:
                 found[index] = None
                 if code != HEADER_BYTES:
                     if code != NOT_FOUND:
-                        found[index] = self._unread_answer(names[index], stored, reread)
-                        unread += found[index] is None
+                        answer = self._unread_answer(keys[index], names[index], stored, reread)
+                        if isinstance(answer, _FailBatch):
+                            unread += 1
+                        else:
+                            found[index] = answer
                         self.context.count("header_read_failures")
                         self._throttle.warn(
                             "header_read", "%s: reading the record header of %s returned %s: a miss",
