@@ -128,16 +128,16 @@ def _entry_point_infos() -> list[tuple[Any, PluginInfo]]:
     return found
 
 
-def _the_plugins_own(exc: BaseException, stop_handlers: frozenset[CodeType]) -> bool:
-    """Whether ``exc`` raised by a plugin's import or hook is the plugin's failure rather
-    than one to go on up: anything but a KeyboardInterrupt where a Ctrl-C could raise it
-    (the main thread), or what a stop signal's handler raised where it landed
-    (``stop_handlers``: see :func:`_signal_handler_codes`).  A ``sys.exit()``, a
-    GeneratorExit or a BaseException of the plugin's own must not end the command and
-    with it the listing of every other plugin."""
+def plugins_own_failure(exc: BaseException, stop_handlers: frozenset[CodeType]) -> bool:
+    """Whether ``exc`` raised by a plugin's import, hook, factory or ``open`` is the
+    plugin's failure rather than one to go on up: anything but a KeyboardInterrupt where a
+    Ctrl-C could raise it (the main thread), or what a stop signal's handler raised where
+    it landed (``stop_handlers``: see :func:`signal_handler_codes`).  A ``sys.exit()``, a
+    GeneratorExit or a BaseException of the plugin's own must not end the command (with
+    it the listing of every other plugin) nor a server's start-up without a word."""
     if isinstance(exc, Exception):
         return True
-    if _raised_by_a_signal_handler(exc, stop_handlers | _signal_handler_codes()):
+    if _raised_by_a_signal_handler(exc, stop_handlers | signal_handler_codes()):
         return False
     return not isinstance(exc, KeyboardInterrupt) or raised_by_a_plugin(exc)
 
@@ -162,7 +162,7 @@ def _raised_by_a_signal_handler(exc: BaseException, handlers: frozenset[CodeType
     return False
 
 
-def _signal_handler_codes() -> frozenset[CodeType]:
+def signal_handler_codes() -> frozenset[CodeType]:
     """The code of every signal handler written in Python installed now.  Taken before a
     plugin's code runs as well as after it raised: a handler may put another in its place
     before it raises (``signals_unwind``'s ignores the next signals)."""
@@ -201,7 +201,7 @@ def _load_modules(infos: dict[str, PluginInfo]) -> dict[str, ModuleType]:
     # an ``Exception`` through the callback but re-raises ``AssertionError`` (and cannot
     # catch ``SystemExit``), which would otherwise abort the loading of every plugin.
     modules: dict[str, ModuleType] = {}
-    stop_handlers = _signal_handler_codes()
+    stop_handlers = signal_handler_codes()
     for name, info in infos.items():
         if info.disabled:
             continue
@@ -213,7 +213,7 @@ def _load_modules(infos: dict[str, PluginInfo]) -> dict[str, ModuleType]:
                 on_load_failure_callback=on_failure,
             )
         except BaseException as exc:  # no Exception: stevedore reports those itself
-            if not _the_plugins_own(exc, stop_handlers):
+            if not plugins_own_failure(exc, stop_handlers):
                 raise
             info.error = f"{type(exc).__name__}: {exc}"
             log.debug("plugin %s failed to load: %s", name, exc)
@@ -289,7 +289,7 @@ def _run_registration(manager: pluggy.PluginManager, registry: ComponentRegistry
     # Components are owned by distribution, and one distribution may name several entry
     # points: only what this entry point added is undone or listed as its own.
     before = {id(c) for c in registry.all_components()}
-    stop_handlers = _signal_handler_codes()
+    stop_handlers = signal_handler_codes()
     try:
         for hook_name, kind in REGISTRATION_HOOKS.items():
             # The implementations pluggy found, which may be named otherwise (specname=...);
@@ -304,7 +304,7 @@ def _run_registration(manager: pluggy.PluginManager, registry: ComponentRegistry
                 _refuse_returned_components(hook_name, returned)
     # A plugin bug must not take the others down, nor a sys.exit() in it the whole process.
     except BaseException as exc:
-        if not _the_plugins_own(exc, stop_handlers):
+        if not plugins_own_failure(exc, stop_handlers):
             raise
         registry.remove_plugin(info.distribution, keep=before)
         info.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, PluginError) else str(exc)
@@ -383,7 +383,7 @@ def call_each(
     say).  A failure goes to ``on_error(plugin_name, exception)``, a ``sys.exit()`` as a
     PluginError saying so; ``before_each(plugin_name)`` runs before each call
     (to note what a failing one must undo)."""
-    stop_handlers = _signal_handler_codes()
+    stop_handlers = signal_handler_codes()
     for impl in reversed(hook.get_hookimpls()):
         try:
             if before_each is not None:
@@ -394,7 +394,7 @@ def call_each(
         except Exception as exc:
             on_error(impl.plugin_name, exc)
         except BaseException as exc:  # as in registration: a plugin's sys.exit() is its failure
-            if not _the_plugins_own(exc, stop_handlers):
+            if not plugins_own_failure(exc, stop_handlers):
                 raise
             failure = PluginError(f"{type(exc).__name__}: {exc}")
             failure.__cause__ = exc  # its traceback: where in the plugin it exited

@@ -99,13 +99,20 @@ FACTORY_ERRORS_KEPT = (TiersError, OSError, ValueError)
 
 def call_factory(factory: Callable[..., Any], what: str, *args: Any) -> Any:
     """``factory(*args)``; any other exception it raises (a plugin's bug, a store it cannot
-    reach) becomes one PluginError line naming ``what`` (the component and its plugin),
-    the original chained for the traceback."""
+    reach, a ``sys.exit()``) becomes one PluginError line naming ``what`` (the component
+    and its plugin), the original chained for the traceback."""
+    # plugins imports this module: imported here, when a factory is called
+    from lmcache_tiers.plugins import plugins_own_failure, signal_handler_codes
+
+    stop_handlers = signal_handler_codes()
     try:
         return factory(*args)
     except FACTORY_ERRORS_KEPT:
         raise
-    except Exception as exc:
+    except BaseException as exc:
+        # A Ctrl-C, or what a stop signal's handler raised, stops start-up instead.
+        if not plugins_own_failure(exc, stop_handlers):
+            raise
         raise PluginError(f"{what} failed to start: {type(exc).__name__}: {exc}") from exc
 
 

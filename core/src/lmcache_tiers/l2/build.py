@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lmcache_tiers.config import AdapterSpec, L2AdapterConfig, decode_adapter_at
-from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.errors import ConfigError, PluginError
 from lmcache_tiers.l2.adapter import BackendAdapter
 from lmcache_tiers.l2.calls import missing_methods
 from lmcache_tiers.l2.circuit import guard_backend
@@ -67,10 +67,28 @@ def create_adapter(
     """Call an adapter factory and wrap what it returns (unless it is an adapter already)."""
     context = BackendContext(AdapterState(facts, registry))
     of_plugin = f" from plugin {plugin!r}" if plugin else ""
-    made = _made(factory, config, context, f"l2 adapter {type_name or facts.name!r}{of_plugin}")
+    what = f"l2 adapter {type_name or facts.name!r}{of_plugin}"
+    made = _made(factory, config, context, what)
     if isinstance(made, L2Adapter):
         return made
-    return BackendAdapter(guard_backend(made, config, context), context)
+    return _opened(made, config, context, what)
+
+
+def _opened(made: object, config: L2AdapterConfig, context: BackendContext, what: str) -> L2Adapter:
+    """The adapter of backend ``made``, its plain ``open`` run (by BackendAdapter)."""
+    from lmcache_tiers.plugins import plugins_own_failure, signal_handler_codes
+
+    stop_handlers = signal_handler_codes()
+    try:
+        return BackendAdapter(guard_backend(made, config, context), context)
+    except Exception:
+        raise
+    except BaseException as exc:
+        # A sys.exit() in the plugin's open would end serve with its status alone; a
+        # Ctrl-C or what a stop signal's handler raised stops start-up instead.
+        if not plugins_own_failure(exc, stop_handlers):
+            raise
+        raise PluginError(f"{what} failed to open: {type(exc).__name__}: {exc}") from exc
 
 
 def build_adapter(registry: ComponentRegistry, spec: AdapterSpec, facts: AdapterContext) -> L2Adapter:

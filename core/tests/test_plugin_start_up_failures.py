@@ -1,0 +1,101 @@
+"""A backend that fails while serve starts it: one line naming the adapter and its plugin.
+
+Each test installs a one-file plugin (a dist-info with its entry point, put on
+PYTHONPATH) whose backend constructor or plain ``open`` fails, runs ``lmcache-tiers
+serve`` on it, and checks the exit status and the one error line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_plugin_guide_refusals import error_line, install_flat_plugin, serve
+
+from lmcache_tiers.errors import PluginError
+from lmcache_tiers.registry import call_factory
+
+BACKEND = """
+import sys
+
+from lmcache_tiers.plugin import FieldError, L2AdapterConfig, hookimpl
+
+
+class Failing:
+    def __init__(self, config, context):
+        {construct}
+
+    def open(self):
+        {open}
+
+    def put_many(self, keys, payloads):
+        return [False] * len(keys)
+
+    def contains_many(self, keys):
+        return [None] * len(keys)
+
+    def get_many_into(self, keys, buffers):
+        return [False] * len(keys)
+
+    def delete_many(self, keys):
+        return [False] * len(keys)
+
+    def list_keys(self):
+        return []
+
+    def capacity(self):
+        return None
+
+
+@hookimpl
+def tiers_register_l2_adapters(registry):
+    registry.add("{name}", Failing, L2AdapterConfig)
+"""
+
+
+def serve_failing(site: Path, name: str, *, construct: str = "pass", open: str = "pass") -> tuple[int, str]:
+    """Exit status and error line of serve with a working mock adapter first and the
+    failing backend ``name`` second (adapter 1)."""
+    install_flat_plugin(site, name, BACKEND.format(name=name, construct=construct, open=open))
+    result = serve(
+        site,
+        "--no-default-l2",
+        "--l2-adapter",
+        '{"type": "mock", "max_size_gb": 0.01}',
+        "--l2-adapter",
+        f'{{"type": "{name}"}}',
+    )
+    return result.returncode, error_line(result.stderr)
+
+
+def test_a_constructor_calling_sys_exit_is_one_line_naming_the_adapter(tmp_path: Path) -> None:
+    code, line = serve_failing(tmp_path, "guidequits", construct="raise SystemExit(4)")
+    assert code == 1, line
+    assert line.startswith("error: cannot start the server: l2 adapter "), line
+    assert "'guidequits'" in line or "1:guidequits" in line, line
+    assert "from plugin 'lmcache-plugin-guidequits' failed to start: SystemExit: 4" in line, line
+
+
+def test_a_plain_open_calling_sys_exit_is_one_line_naming_the_adapter(tmp_path: Path) -> None:
+    code, line = serve_failing(tmp_path, "guideopenquits", open='sys.exit("the store is gone")')
+    assert code == 1, line
+    assert line.startswith("error: cannot start the server: l2 adapter "), line
+    assert "from plugin 'lmcache-plugin-guideopenquits' failed to open: SystemExit: the store is gone" in line
+
+
+def _interrupted() -> None:
+    raise KeyboardInterrupt
+
+
+def _quits() -> None:
+    raise SystemExit(3)
+
+
+def test_a_factory_s_ctrl_c_on_the_main_thread_goes_on_up() -> None:
+    with pytest.raises(KeyboardInterrupt):
+        call_factory(_interrupted, "serde:x from plugin 'p'")
+
+
+def test_a_factory_s_sys_exit_is_the_plugin_s_error() -> None:
+    with pytest.raises(PluginError, match=r"^serde:x from plugin 'p' failed to start: SystemExit: 3$"):
+        call_factory(_quits, "serde:x from plugin 'p'")
