@@ -12,11 +12,6 @@ in for L1, are written and read back by:
   has one store trip in flight at a time, as ``redis-py`` has, but a load sends its next
   trip before it reads the replies of the current one (two in flight); this baseline has
   the whole batch (``--batch`` objects) in flight, so it is allowed more than the adapter;
-* ``records``   -- redis-py storing each object laid out as the adapter's record, one
-  hash of two fields (``HSET name p <payload> h <header>``), one at a time, nothing else
-  (store latency only): Redis copies a hash field's value out of the request, where a
-  ``SET`` keeps the request's buffer as the value, so this row is what the layout alone
-  costs a store, and the rest of the adapter's store latency is its own;
 * ``adapter``   -- the ``redis`` adapter through the non-blocking interface the
   controllers use (core's task board, pins, accounting and circuit breaker included),
   batches of ``--batch`` keys: records with a checksum written, every load verified.
@@ -63,7 +58,6 @@ from lmcache_plugin_redis.testing import RedisServer, missing_reason
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, L2Adapter, create_adapter
-from lmcache_tiers.l2.record import encode_header
 from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.registry import Kind
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
@@ -127,19 +121,6 @@ class Direct:
         self.client.delete(*self.names)
 
 
-class DirectRecords(Direct):
-    """redis-py storing each object as the adapter lays it out, one hash of two fields
-    (``HSET name p <payload> h <header>``), nothing else: what the record layout costs
-    a store by itself, so that the rest of the adapter's latency can be told apart."""
-
-    def __init__(self, url: str, views: list[memoryview], targets: list[memoryview], header: bytes) -> None:
-        super().__init__(url, views, targets, 0, prefix="records")
-        self.header = header
-
-    def store_one(self, index: int) -> None:
-        self.client.hset(self.names[index], mapping={"p": self.views[index], "h": self.header})
-
-
 class ThroughAdapter:
     """The redis adapter, driven as the store and prefetch controllers drive it."""
 
@@ -200,15 +181,14 @@ def elapsed(step: Callable[..., object], *args: object) -> float:
 
 def one_at_a_time(
     direct: Direct,
-    records: DirectRecords,
     through: ThroughAdapter,
     count: int,
     rounds: dict[str, dict[str, list[float]]],
     number: int,
 ) -> None:
-    """Per-object latencies of round ``number``: stores one method after the other (the
-    order reversed from round to round), each method's objects deleted before the next
-    method's stores, then loads interleaved object by object, so that a shared machine's
+    """Per-object latencies of round ``number``: stores one method after the other (who
+    goes first alternates from round to round), each method's objects deleted before the
+    other's stores, then loads interleaved object by object, so that a shared machine's
     drift hits both alike.
 
     Stores are not interleaved object by object: the server frees memory after every
@@ -217,11 +197,7 @@ def one_at_a_time(
     buffer as the value), so interleaved, redis-py's values landed in pages the adapter's
     stores had just faulted in and the adapter's in new ones: ~0.5 ms of page faults per
     MiB moved from one side's latency to the other's."""
-    stores: list[tuple[str, Direct | ThroughAdapter]] = [
-        ("redis-py", direct),
-        ("records", records),
-        ("adapter", through),
-    ]
+    stores = [("redis-py", direct), ("adapter", through)]
     for name, method in stores if number % 2 else stores[::-1]:
         for index in range(count):
             rounds[name]["store_lat"].append(elapsed(method.store_one, index))
@@ -271,9 +247,6 @@ def run(objects: int, size: int, batch: int, repeat: int) -> dict[str, dict[str,
             }
             direct, through = methods["redis-py"], methods["adapter"]
             assert isinstance(direct, Direct) and isinstance(through, ThroughAdapter)
-            header = encode_header(through.keys[0], views[0])
-            records = DirectRecords(server.url, views, targets, header)
-            rounds["records"] = {"store_lat": []}
             for number in range(repeat):
                 for name, method in methods.items():
                     rounds[name]["store"].append(objects * size / timed(method.store, objects, batch) / 1e9)
@@ -283,7 +256,7 @@ def run(objects: int, size: int, batch: int, repeat: int) -> dict[str, dict[str,
                     # Every method's stores find the server as redis-py's do, its memory the
                     # one before just freed (see the docstring).
                     method.clear()
-                one_at_a_time(direct, records, through, objects, rounds, number)
+                one_at_a_time(direct, through, objects, rounds, number)
                 np.frombuffer(dest, dtype=np.uint8)[:] = 0
                 for index in range(objects):  # the last object-at-a-time pass was the adapter's
                     through.load_one_looked_up(index)()
@@ -295,12 +268,6 @@ def run(objects: int, size: int, batch: int, repeat: int) -> dict[str, dict[str,
             server.stop()
     results: dict[str, dict[str, float]] = {}
     for name, data in rounds.items():
-        if name == "records":  # store latency only
-            results[name] = {
-                "store_p50_ms": percentile(data["store_lat"], 0.5) * 1e3,
-                "store_p99_ms": percentile(data["store_lat"], 0.99) * 1e3,
-            }
-            continue
         if not data["store_lat"]:  # a throughput-only baseline
             results[name] = {
                 kind: statistics.median(data[kind.removesuffix("_gbps")])
@@ -326,9 +293,6 @@ def run(objects: int, size: int, batch: int, repeat: int) -> dict[str, dict[str,
     for row in ("store", "load", "fetch"):
         for cut in ("p50", "p99"):
             ours[f"{row}_{cut}_ratio"] = theirs[f"{row}_{cut}_ms"] / ours[f"{row}_{cut}_ms"]
-    for cut in ("p50", "p99"):
-        layout = results["records"]
-        layout[f"store_{cut}_ratio"] = theirs[f"store_{cut}_ms"] / layout[f"store_{cut}_ms"]
     return results
 
 
@@ -354,8 +318,7 @@ def main() -> None:
     print(heading)
     print(f"{'method':<14} {'store GB/s':>10} {'load GB/s':>10}")
     for name, row in results.items():
-        if "store_gbps" in row:
-            print(f"{name:<14} {row['store_gbps']:>10.2f} {row['load_gbps']:>10.2f}")
+        print(f"{name:<14} {row['store_gbps']:>10.2f} {row['load_gbps']:>10.2f}")
     ours, theirs = results["adapter"], results["redis-py"]
     print(
         f"adapter / redis-py throughput: store {ours['store_ratio']:.2f}x, "
@@ -379,13 +342,6 @@ def main() -> None:
             f" {ours[f'{row}_p50_ms']:>8.2f}/{ours[f'{row}_p99_ms']:<8.2f}"
             f" {ours[f'{row}_p50_ratio']:>6.2f}x/{ours[f'{row}_p99_ratio']:.2f}x"
         )
-    layout = results["records"]
-    print(
-        f"{'store, the layout alone (HSET)':<28}"
-        f" {theirs['store_p50_ms']:>8.2f}/{theirs['store_p99_ms']:<8.2f}"
-        f" {layout['store_p50_ms']:>8.2f}/{layout['store_p99_ms']:<8.2f}"
-        f" {layout['store_p50_ratio']:>6.2f}x/{layout['store_p99_ratio']:.2f}x"
-    )
     print("latency ratio = redis-py's / the adapter's (target >= 0.8x: at most 1.25x redis-py's)")
 
 
