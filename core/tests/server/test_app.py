@@ -113,7 +113,8 @@ def test_a_plugin_that_fails_while_starting_is_one_line_and_exit_code_1(
         assert run_server(config, registry=registry, banner=False) == 1
         err = capsys.readouterr().err
         assert (
-            "error: cannot start the server: l2 adapter 'broken' from plugin 'tiers_unit_broken_adapter' "
+            "error: cannot start the server: 0:broken: l2 adapter 'broken' "
+            "from plugin 'tiers_unit_broken_adapter' "
             "failed to start: RuntimeError: backend unreachable: connection refused"
         ) in err
         assert "Traceback" not in err, err

@@ -14,8 +14,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from lmcache_tiers.config import AdapterSpec, L2AdapterConfig, decode_adapter_at
-from lmcache_tiers.errors import ConfigError, PluginError
+from lmcache_tiers.config import AdapterSpec, FieldError, L2AdapterConfig, decode_adapter_at
+from lmcache_tiers.errors import ConfigError, PluginError, TiersError
 from lmcache_tiers.l2.adapter import BackendAdapter
 from lmcache_tiers.l2.calls import missing_methods
 from lmcache_tiers.l2.circuit import guard_backend
@@ -66,8 +66,7 @@ def create_adapter(
 ) -> L2Adapter:
     """Call an adapter factory and wrap what it returns (unless it is an adapter already)."""
     context = BackendContext(AdapterState(facts, registry))
-    of_plugin = f" from plugin {plugin!r}" if plugin else ""
-    what = f"l2 adapter {type_name or facts.name!r}{of_plugin}"
+    what = _adapter_named(facts, type_name, plugin)
     made = _made(factory, config, context, what)
     if isinstance(made, L2Adapter):
         return made
@@ -91,12 +90,37 @@ def _opened(made: object, config: L2AdapterConfig, context: BackendContext, what
         raise PluginError(f"{what} failed to open: {type(exc).__name__}: {exc}") from exc
 
 
+def _adapter_named(facts: AdapterContext, type_name: str, plugin: str) -> str:
+    """``1:redis: l2 adapter 'redis' from plugin 'lmcache-plugin-redis'``: first the name
+    the adapter has in logs and metrics (which of several, of one type maybe), as its own
+    refusals begin, then its type and whose it is."""
+    of_plugin = f" from plugin {plugin!r}" if plugin else ""
+    if not type_name:
+        return f"l2 adapter {facts.name!r}{of_plugin}"
+    return f"{facts.name}: l2 adapter {type_name!r}{of_plugin}"
+
+
 def build_adapter(registry: ComponentRegistry, spec: AdapterSpec, facts: AdapterContext) -> L2Adapter:
-    """The adapter a resolved spec describes (its serde chain is in ``facts.serde``)."""
+    """The adapter a resolved spec describes (its serde chain is in ``facts.serde``).
+
+    What building or opening it raises names the adapter, so that with several adapters
+    configured the one that failed is known: a FieldError becomes a ConfigError naming
+    the value's path, any other exception but core's own errors a PluginError (the
+    original chained: the open-files check of start-up looks down the chain)."""
     component = registry.get(Kind.L2_ADAPTER, spec.type)
-    return create_adapter(
-        component.load(), spec.config, facts, registry=registry, type_name=spec.type, plugin=component.plugin
-    )
+    factory = component.load()
+    try:
+        return create_adapter(
+            factory, spec.config, facts, registry=registry, type_name=spec.type, plugin=component.plugin
+        )
+    except TiersError:
+        raise  # core's refusals, and a plugin's own, name what they refuse
+    except FieldError as exc:
+        what = _adapter_named(facts, spec.type, component.plugin)
+        raise ConfigError(f"{what}: {exc} - at `$.l2_adapters[{facts.index}].{exc.field}`") from exc
+    except Exception as exc:  # an OSError or ValueError of its constructor, what a plain open raised
+        what = _adapter_named(facts, spec.type, component.plugin)
+        raise PluginError(f"{what} failed to start: {type(exc).__name__}: {exc}") from exc
 
 
 def open_inner_backend(state: AdapterState, outer: str, raw: Mapping[str, Any], counter_prefix: str) -> Any:
@@ -120,12 +144,12 @@ def open_inner_backend(state: AdapterState, outer: str, raw: Mapping[str, Any], 
     name = f"{outer}>{spec.type}"
     context = BackendContext(state, name=name, config=spec.config, counter_prefix=counter_prefix)
     component = registry.get(Kind.L2_ADAPTER, spec.type)
-    made = _made(
-        component.load(),
-        spec.config,
-        context,
-        f"{outer} `inner` {spec.type!r} from plugin {component.plugin!r}",
-    )
+    what = f"{outer} `inner` {spec.type!r} from plugin {component.plugin!r}"
+    try:
+        made = _made(component.load(), spec.config, context, what)
+    except FieldError as exc:
+        # the path of the inner spec's value: the outer adapter's would name another
+        raise ConfigError(f"{what}: {exc} - at `{where}.{exc.field}`") from exc
     if isinstance(made, L2Adapter):
         _discard(made)
         raise ConfigError(f"{outer} wraps L2 backends; {spec.type!r} builds a complete adapter")
