@@ -7,12 +7,15 @@ serve`` on it, and checks the exit status and the one error line.
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import pytest
 from test_plugin_guide_refusals import error_line, guide_text, install_flat_plugin, serve
 
 from lmcache_tiers.errors import PluginError
+from lmcache_tiers.plugin import hookimpl
+from lmcache_tiers.plugins import discover
 from lmcache_tiers.registry import call_factory
 
 BACKEND = """
@@ -162,3 +165,15 @@ def test_a_field_error_of_a_wrapped_backend_names_the_path_of_the_inner_value(tm
         "error: 0:fault_inject `inner` 'guideinner' from plugin 'lmcache-plugin-guideinner': "
         "no breaker here - at `$.l2_adapters[0].inner.circuit`"
     )
+
+
+def _returns_a_count(registry: object) -> int:
+    return 1
+
+
+def test_a_registration_hook_returning_an_int_is_told_in_words() -> None:
+    module = types.ModuleType("tiers_unit_returns_a_count")
+    module.tiers_register_serdes = hookimpl(_returns_a_count)  # type: ignore[attr-defined]
+    info = next(p for p in discover({"counts": module}).plugins if p.name == "counts")
+    assert info.error is not None
+    assert info.error.startswith("tiers_register_serdes returned an int, which is ignored: "), info.error

@@ -277,8 +277,10 @@ def _refuse_returned_components(hook_name: str, returned: object) -> None:
     its components (a list, a dict) registers nothing, and its plugin would be listed as
     loaded with no component, the type it meant unknown to serve with nothing saying why."""
     if returned is not None:
+        kind = type(returned).__name__
+        article = "an" if kind[:1].lower() in "aeiou" else "a"
         raise PluginError(
-            f"{hook_name} returned a {type(returned).__name__}, which is ignored: "
+            f"{hook_name} returned {article} {kind}, which is ignored: "
             "add each component with registry.add(name, factory, config) and return None"
         )
 
