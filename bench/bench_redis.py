@@ -191,12 +191,12 @@ def one_at_a_time(
     other's stores, then loads interleaved object by object, so that a shared machine's
     drift hits both alike.
 
-    Stores are not interleaved object by object: the server frees memory after every
-    adapter store (an ``HSET`` copies its value out of the request's buffer, then frees
-    that buffer) which a ``SET`` sent right after takes over (a ``SET`` keeps the request's
-    buffer as the value), so interleaved, redis-py's values landed in pages the adapter's
-    stores had just faulted in and the adapter's in new ones: ~0.5 ms of page faults per
-    MiB moved from one side's latency to the other's."""
+    Stores are timed one method after the other, each into memory the server just freed
+    of the other's objects: a store's value is the request's own buffer on both sides (a
+    ``SET``), and each side then pays the same page faults for it.  (The adapter once
+    stored a hash, whose ``HSET`` copies the value out of the request's buffer and frees
+    that buffer, which a ``SET`` sent right after took over: interleaved object by object,
+    ~0.5 ms of page faults per MiB moved from one side's latency to the other's.)"""
     stores = [("redis-py", direct), ("adapter", through)]
     for name, method in stores if number % 2 else stores[::-1]:
         for index in range(count):

@@ -29,12 +29,12 @@ from lmcache_plugin_redis import RedisConfig
 from lmcache_plugin_redis import backend as backend_module
 from lmcache_plugin_redis import limits as limits_module
 from lmcache_plugin_redis.backend import (
-    _REMOVE_IF_UNCHANGED,
     KEYS_PER_TRIP,
     RedisBackend,
     glob_escape,
     trips,
 )
+from lmcache_plugin_redis.records import HEAD_READ, REMOVE_IF_UNCHANGED
 from lmcache_plugin_redis.replies import ReplyReader
 from lmcache_plugin_redis.testing import RedisClusterNodes, RedisServer, missing_reason
 from lmcache_plugin_redis.writes import RecordHeaders
@@ -44,7 +44,7 @@ from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter
 from lmcache_tiers.l2.circuit import CircuitBackend
-from lmcache_tiers.l2.record import encode_header
+from lmcache_tiers.l2.record import PREFIX_SIZE, encode_header, header_length
 from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import make_keys, pattern
@@ -81,6 +81,33 @@ def wait_for(condition: Callable[[], bool], what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
+
+
+# -- the stored records: one string each, core's record (header, then payload) ------------------
+
+
+def header_of(raw: redis.Redis, name: str) -> bytes:
+    value = raw.get(name)
+    assert value is not None, f"nothing stored under {name}"
+    return bytes(value[: header_length(value[:PREFIX_SIZE])])
+
+
+def payload_of(raw: redis.Redis, name: str) -> bytes:
+    value = raw.get(name)
+    assert value is not None, f"nothing stored under {name}"
+    return bytes(value[header_length(value[:PREFIX_SIZE]) :])
+
+
+def put_record(raw: redis.Redis, name: str, header: bytes, payload: bytes) -> None:
+    raw.set(name, header + payload)
+
+
+def set_payload(raw: redis.Redis, name: str, payload: bytes) -> None:
+    put_record(raw, name, header_of(raw, name), payload)
+
+
+def set_header(raw: redis.Redis, name: str, header: bytes) -> None:
+    put_record(raw, name, header, payload_of(raw, name))
 
 
 # -- two adapters, one store ------------------------------------------------------------------
@@ -130,11 +157,11 @@ def test_a_load_buffer_sized_for_an_object_another_adapter_replaced_is_a_miss(
 def _flip_a_payload_byte(raw: redis.Redis, name: str, payload: bytes) -> None:
     damaged = bytearray(payload)
     damaged[100] ^= 0xFF
-    raw.hset(name, "p", bytes(damaged))
+    set_payload(raw, name, bytes(damaged))
 
 
 def _drop_the_payload(raw: redis.Redis, name: str, payload: bytes) -> None:
-    raw.hdel(name, "p")  # one HSET writes both fields: a header alone is damage
+    set_payload(raw, name, b"")  # a header alone: its payload is 0 bytes, it says more
 
 
 def test_a_damaged_payload_is_a_miss_and_is_removed(
@@ -172,9 +199,9 @@ def test_a_damaged_header_is_a_lookup_miss_and_is_removed(
     store(adapter, keys)
     raw = redis.Redis.from_url(redis_server.url)
     name = backend_of(adapter).name_of(keys[0])
-    header = bytearray(raw.hget(name, "h"))
+    header = bytearray(header_of(raw, name))
     header[-5] ^= 0x01
-    raw.hset(name, "h", bytes(header))
+    set_header(raw, name, bytes(header))
     assert client_of(adapter).lookup_and_lock(keys).found == [False]
     assert raw.exists(name) == 0
     assert adapter.stats()["corrupt_records_removed"] == 1
@@ -195,7 +222,7 @@ def _forged_header(header: bytes, payload_len: int) -> bytes:
 
 
 def _forge_the_length(raw: Any, name: str, payload: bytes) -> None:
-    raw.hset(name, "h", _forged_header(raw.hget(name, "h"), FORGED_PAYLOAD_LEN))
+    set_header(raw, name, _forged_header(header_of(raw, name), FORGED_PAYLOAD_LEN))
 
 
 @pytest.mark.parametrize("damage", [_forge_the_length, _drop_the_payload])
@@ -235,7 +262,7 @@ def test_a_listing_leaves_out_and_removes_a_record_whose_header_its_payload_beli
     names = [namer.name_of(key) for key in keys]
     for key, name in zip(keys, names, strict=True):
         payload = pattern(7, 4096)
-        raw.hset(name, mapping={"h": encode_header(key, payload), "p": payload})
+        put_record(raw, name, encode_header(key, payload), payload)
     _forge_the_length(raw, names[0], b"")
     adapter = open_adapter(**where, key_prefix=prefix, max_capacity_gb=1.0)
     wait_for(lambda: not adapter.stats()["scan_running"], "the start-up scan")
@@ -248,7 +275,7 @@ def test_a_listing_leaves_out_and_removes_a_record_whose_header_its_payload_beli
 def _rewritten_between_the_lookups_two_commands(
     backend: RedisBackend, raw: Any, name: str, other: tuple[bytes, bytes], own: tuple[bytes, bytes]
 ) -> None:
-    """Make the next lookup read as if, between its ``HGET h`` and its ``HSTRLEN p``,
+    """Make the next lookup read as if, between its ``GETRANGE`` and its ``STRLEN``,
     another writer stored ``other`` (header, payload) under ``name`` -- the length is
     read of that one -- and then ``own`` again (the object the header was read of)."""
 
@@ -258,9 +285,9 @@ def _rewritten_between_the_lookups_two_commands(
         if done:  # the lookup's own trip only
             return replies
         done.append(True)
-        raw.hset(name, mapping={"h": other[0], "p": other[1]})
-        replies[1] = raw.hstrlen(name, "p")
-        raw.hset(name, mapping={"h": own[0], "p": own[1]})
+        put_record(raw, name, other[0], other[1])
+        replies[1] = raw.strlen(name)
+        put_record(raw, name, own[0], own[1])
         return replies
 
     if backend._direct is not None:
@@ -284,7 +311,7 @@ def test_a_record_rewritten_while_its_length_is_read_is_never_removed(
     keys = make_keys(1)
     (data,) = store(adapter, keys)
     name = backend.name_of(keys[0])
-    own = (raw.hget(name, "h"), data)
+    own = (header_of(raw, name), data)
     shorter = pattern(5, 1000)
     _rewritten_between_the_lookups_two_commands(
         backend, raw, name, (encode_header(keys[0], shorter), shorter), own
@@ -292,7 +319,7 @@ def test_a_record_rewritten_while_its_length_is_read_is_never_removed(
     found = client_of(adapter).lookup_and_lock(keys)
     adapter.unlock([key for key, hit in zip(keys, found.found, strict=True) if hit])
     assert raw.exists(name) == 1, "an intact record, stored after the lookup read its header, is kept"
-    assert raw.hget(name, "h") == own[0]
+    assert header_of(raw, name) == own[0]
     assert found.found == [False], "header and length disagreed: a miss"
 
 
@@ -302,7 +329,7 @@ def _stored_again_after_the_loads_read(
     """Make the next load read the record as it is, and then -- before it acts on what
     it read -- another writer store ``own`` (header, payload) under ``name`` again: the
     same object, so the same header bytes as the damaged record the load read."""
-    _after_the_loads_read(backend, lambda: raw.hset(name, mapping={"h": own[0], "p": own[1]}))
+    _after_the_loads_read(backend, lambda: put_record(raw, name, own[0], own[1]))
 
 
 def _after_the_loads_read(backend: RedisBackend, meanwhile: Callable[[], Any]) -> None:
@@ -326,7 +353,7 @@ def _after_the_loads_read(backend: RedisBackend, meanwhile: Callable[[], Any]) -
 
 
 def _shorten_the_payload(raw: Any, name: str, payload: bytes) -> None:
-    raw.hset(name, "p", payload[:1000])  # its header, intact, says 4096 bytes
+    set_payload(raw, name, payload[:1000])  # its header, intact, says 4096 bytes
 
 
 @dataclass
@@ -356,7 +383,7 @@ def _damaged_after_its_lookup(
     keys = make_keys(1)
     (data,) = store(adapter, keys)
     name = backend.name_of(keys[0])
-    header = raw.hget(name, "h")
+    header = header_of(raw, name)
     found = client_of(adapter).lookup_and_lock(keys)
     damage(raw, name, data)
     return DamagedRecord(adapter, backend, raw, keys, data, name, header, found.sizes)
@@ -383,7 +410,7 @@ def test_a_record_stored_again_while_a_load_judges_it_damaged_is_never_removed(
     _stored_again_after_the_loads_read(record.backend, raw, name, own)
     assert load(adapter, record.keys, record.sizes)[0] == [False], "the record read was damaged: a miss"
     adapter.unlock(record.keys)
-    assert (raw.hget(name, "h"), raw.hget(name, "p")) == own, "the object stored again is kept"
+    assert (header_of(raw, name), payload_of(raw, name)) == own, "the object stored again is kept"
     stats = adapter.stats()
     assert stats.get("corrupt_records_removed", 0) == 0, "nothing was removed"
     assert stats["corrupt_records_replaced"] == 1
@@ -435,7 +462,7 @@ def test_a_damaged_record_removed_by_another_writer_meanwhile_is_logged_as_gone(
 
 
 def _drop_the_header(raw: redis.Redis, name: str, payload: bytes) -> None:
-    raw.hdel(name, "h")  # one HSET writes both fields: a payload alone is a stray
+    raw.set(name, payload)  # one SET writes both: a payload alone is a stray
 
 
 @pytest.mark.parametrize("mode", ["direct", "pipelined", "cluster"])
@@ -444,9 +471,9 @@ def test_a_payload_without_its_header_is_a_counted_miss_and_is_removed(
 ) -> None:
     # A payload whose header is gone (left by an earlier layout, a hand edit, a partial
     # writer) answered every lookup and load as a plain miss, uncounted, and stayed in the
-    # store for good: never listed, so never accounted nor evicted.  The lookup's HSTRLEN
-    # and the load's HMGET already see it: a miss, counted, removed; and the start-up
-    # listing removes it too.
+    # store for good: never listed, so never accounted nor evicted.  The lookup's GETRANGE
+    # and the load's GET see a value that starts with no record header: a miss, counted,
+    # removed; and the start-up listing removes it too.
     where, raw = shared_store(request, "cluster" if mode == "cluster" else "standalone")
     adapter = open_adapter(**where, key_prefix=prefix, max_capacity_gb=1.0)
     backend = backend_of(adapter)
@@ -481,11 +508,11 @@ def test_a_payload_without_its_header_stored_whole_again_meanwhile_is_never_remo
     keys = make_keys(1)
     (data,) = store(adapter, keys)
     name = backend.name_of(keys[0])
-    own = (raw.hget(name, "h"), data)
+    own = (header_of(raw, name), data)
     _drop_the_header(raw, name, data)
     _stored_again_after_the_loads_read(backend, raw, name, own)
     assert load(adapter, keys, [4096])[0] == [False], "the record read had no header: a miss"
-    assert (raw.hget(name, "h"), raw.hget(name, "p")) == own, "the object stored again is kept"
+    assert (header_of(raw, name), payload_of(raw, name)) == own, "the object stored again is kept"
     assert adapter.stats().get("corrupt_records_removed", 0) == 0
     assert adapter.stats()["corrupt_records_replaced"] == 1
     found = client_of(adapter).lookup_and_lock(keys)
@@ -579,13 +606,13 @@ def test_a_record_of_another_key_under_a_colliding_name_is_a_miss_that_is_kept(
     name = backend_of(writer).name_of(theirs)
     assert backend_of(reader).name_of(mine) == name, "the names collide"
     data = store(writer, [theirs])
-    header = raw.hget(name, "h")
+    header = header_of(raw, name)
     with caplog.at_level(logging.WARNING):
         # A load without a lookup reads the header too.
         assert load(reader, [mine], [4096])[0] == [False]
-        assert raw.exists(name) == 1 and raw.hget(name, "h") == header, "kept by a load"
+        assert raw.exists(name) == 1 and header_of(raw, name) == header, "kept by a load"
         assert client_of(reader).lookup_and_lock([mine]).found == [False]
-        assert raw.exists(name) == 1 and raw.hget(name, "h") == header, "kept by a lookup"
+        assert raw.exists(name) == 1 and header_of(raw, name) == header, "kept by a lookup"
     stats = reader.stats()
     assert stats.get("corrupt_records_removed", 0) == 0
     assert stats["foreign_records"] == 2
@@ -605,15 +632,15 @@ def test_a_record_of_an_unknown_format_version_is_a_miss_that_is_kept(
     data = store(adapter, keys)
     raw = redis.Redis.from_url(redis_server.url)
     name = backend_of(adapter).name_of(keys[0])
-    header = bytearray(raw.hget(name, "h"))
+    header = bytearray(header_of(raw, name))
     header[4:6] = (99).to_bytes(2, "little")
     header[-4:] = zlib.crc32(bytes(header[:-4])).to_bytes(4, "little")  # intact: a newer server's
-    raw.hset(name, "h", bytes(header))
+    set_header(raw, name, bytes(header))
     assert client_of(adapter).lookup_and_lock(keys).found == [False, True]
     adapter.unlock(keys[1:])
     # A load without a lookup reads the header too.
     assert load(adapter, keys, [4096, 4096]) == ([False, True], [bytes(4096), data[1]])
-    assert raw.exists(name) == 1 and raw.hget(name, "h") == bytes(header)
+    assert raw.exists(name) == 1 and header_of(raw, name) == bytes(header)
     stats = adapter.stats()
     assert stats["record_version_unknown"] == 2 and stats.get("corrupt_records_removed", 0) == 0
 
@@ -646,17 +673,24 @@ def test_a_key_holding_something_else_is_a_counted_miss_and_left_alone(
     (key,) = make_keys(1)
     raw = redis.Redis.from_url(redis_server.url)
     name = backend_of(adapter).name_of(key)
-    raw.set(name, b"somebody else's string")
+    # Another type than a record's string (a hash: the records of the layout before this
+    # one were hashes) is left alone by lookups and listings; a store replaces it.
+    raw.hset(name, "field", b"somebody else's hash")
     raw.set(prefix + "not-an-object-name", b"x")
     assert client_of(adapter).lookup_and_lock([key]).found == [False]
-    assert client_of(adapter).store([key], [memoryview(bytearray(10))]) == [False]
-    assert raw.get(name) == b"somebody else's string"
-    stats = adapter.stats()
-    assert stats["foreign_objects"] == 2
+    assert raw.hget(name, "field") == b"somebody else's hash"
+    assert adapter.stats()["foreign_objects"] == 1
     with caplog.at_level(logging.WARNING, logger="lmcache_tiers.l2.redis"):
         assert list(adapter.iter_keys()) == []
+    assert adapter.stats()["foreign_objects"] == 2
     assert adapter.stats()["listing_foreign_names"] >= 1
-    assert any("not object names of this cache" in r.getMessage() for r in caplog.records), "not logged"
+    told = [r.getMessage() for r in caplog.records]
+    assert any("not object names of this cache" in line for line in told), told
+    assert any("layout before" in line for line in told), told
+    assert raw.hget(name, "field") == b"somebody else's hash"
+    assert client_of(adapter).store([key], [memoryview(bytearray(10))]) == [True]
+    assert client_of(adapter).lookup_and_lock([key]).found == [True]
+    adapter.unlock([key])
 
 
 def test_a_listing_leaves_alone_the_records_of_a_server_with_a_longer_prefix(
@@ -697,7 +731,7 @@ def test_a_store_takes_the_next_trips_checksums_while_the_store_reads_this_trip(
     adapter = open_adapter(url=redis_server.url, key_prefix=prefix, pipeline_max_bytes=1 << 16)
     backend = backend_of(adapter)
     events: list[str] = []
-    record_header, integer_reply = backend.context.record_header, ReplyReader.integer_reply
+    record_header, status_reply = backend.context.record_header, ReplyReader.status_reply
     keys = make_keys(6)  # trips of two objects
 
     def header_noted(key: ObjectKey, payload: memoryview, **options: Any) -> bytes:
@@ -707,10 +741,10 @@ def test_a_store_takes_the_next_trips_checksums_while_the_store_reads_this_trip(
 
     def reply_noted(reader: ReplyReader) -> Any:
         events.append("reply")
-        return integer_reply(reader)
+        return status_reply(reader)
 
     backend.context.record_header = header_noted  # type: ignore[method-assign]
-    with mock.patch.object(ReplyReader, "integer_reply", reply_noted):
+    with mock.patch.object(ReplyReader, "status_reply", reply_noted):
         data = store(adapter, keys, size=30_000)
     assert events == [
         *["header 0", "header 1", "header 2", "header 3", "reply", "reply"],
@@ -779,13 +813,13 @@ def test_objects_that_fail_a_load_leave_the_rest_of_the_batch_loaded(
     assert found.found == [True] * 8
     raw = redis.Redis.from_url(redis_server.url)
     name = [backend_of(adapter).name_of(key) for key in keys]
-    raw.hset(name[1], "p", data[1][:-1])  # payload shorter than its header says: damage
+    set_payload(raw, name[1], data[1][:-1])  # payload shorter than its header says: damage
     damaged = bytearray(data[3])
     damaged[size // 2] ^= 0x10
-    raw.hset(name[3], "p", bytes(damaged))  # payload of the right length, wrong bytes
-    raw.hdel(name[4], "p")  # a header without its payload (one HSET writes both): damage
+    set_payload(raw, name[3], bytes(damaged))  # payload of the right length, wrong bytes
+    set_payload(raw, name[4], b"")  # a header without its payload (one SET writes both): damage
     raw.delete(name[5])
-    raw.set(name[5], b"somebody else's string")  # WRONGTYPE
+    raw.hset(name[5], "field", b"somebody else's hash")  # WRONGTYPE
     raw.delete(name[6])  # gone since the lookup
     loaded, contents = load(adapter, keys, found.sizes)
     adapter.unlock(keys)
@@ -1291,10 +1325,11 @@ def bulk_limit(servers: list[RedisServer], limit: str) -> Iterator[None]:
 
 
 def stored_over_the_limit(adapter: BackendAdapter, raw: Any, caplog: pytest.LogCaptureFixture) -> None:
-    """A batch of a small object, one of 1 MiB + 1 byte and one of 1 MiB stored into a
-    store whose proto-max-bulk-len is 1 MiB: the one over it is refused alone."""
+    """A batch of a small object, one of 1 MiB - 16 bytes and one of 1 MiB - 4 KiB stored
+    into a store whose proto-max-bulk-len is 1 MiB: the one whose value (its record
+    header, then its payload) is over it is refused alone."""
     keys = make_keys(3)
-    sizes = [4096, (1 << 20) + 1, 1 << 20]
+    sizes = [4096, (1 << 20) - 16, (1 << 20) - 4096]
     buffers = [memoryview(bytearray(pattern(index, size))) for index, size in enumerate(sizes)]
     with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
         assert client_of(adapter).store(keys, buffers) == [True, False, True]
@@ -1304,7 +1339,7 @@ def stored_over_the_limit(adapter: BackendAdapter, raw: Any, caplog: pytest.LogC
     assert stats["store_refused_over_bulk_limit"] == 1
     assert stats.get("backend_errors", 0) == 0, "the store failed as a whole"
     assert any("proto-max-bulk-len" in r.getMessage() for r in caplog.records), "the refusal is not logged"
-    assert adapter.used_bytes() == 4096 + (1 << 20)
+    assert adapter.used_bytes() == 4096 + (1 << 20) - 4096
 
 
 def fail_pipeline(backend: Any, number: int, error: Exception) -> None:
@@ -1324,7 +1359,7 @@ def fail_pipeline(backend: Any, number: int, error: Exception) -> None:
 def cache_the_removal_script(backend: RedisBackend) -> None:
     """Have the store hold the delete's removal script, so every delete trip is two
     pipelines (a store that lacks it answers NOSCRIPT, and is sent it in a third)."""
-    backend.client.script_load(_REMOVE_IF_UNCHANGED)
+    backend.client.script_load(REMOVE_IF_UNCHANGED)
 
 
 def stored_for_a_two_trip_delete(
@@ -2112,7 +2147,7 @@ def test_a_payload_of_the_buffer_size_but_not_the_header_size_is_never_written_t
     data = store(adapter, keys, size=4096)
     raw = redis.Redis.from_url(redis_server.url)
     name = backend.name_of(keys[0])
-    raw.hset(name, "p", data[0][:2048])
+    set_payload(raw, name, data[0][:2048])
     buffer = memoryview(bytearray(b"\xaa" * 2048))
     assert backend.get_many_into(keys, [buffer]) == [False]
     assert bytes(buffer) == b"\xaa" * 2048, "bytes of a record failing its header were written"
@@ -2135,9 +2170,9 @@ def test_a_delete_leaves_the_record_of_another_key_that_replaced_its_object(
     name = backend_of(writer).name_of(theirs)
     store(evicting, [mine])
     data = store(writer, [theirs], seed=5)
-    header = raw.hget(name, "h")
+    header = header_of(raw, name)
     assert evicting.delete([mine]) == [False]
-    assert raw.hget(name, "h") == header, "the other server's object was deleted"
+    assert header_of(raw, name) == header, "the other server's object was deleted"
     assert evicting.used_bytes() == 0, "the key is gone from here: its bytes are released"
     assert evicting.stats()["foreign_records"] == 1, "counted once, by the delete"
     found = client_of(writer).lookup_and_lock([theirs])
@@ -2159,7 +2194,7 @@ def test_records_of_another_serde_chain_are_listed_counted_and_evictable(
     for index, (key, size) in enumerate(zip(keys, sizes, strict=True)):
         payload = pattern(index, size)
         header = encode_header(key, payload, serde=("zstd",))
-        raw.hset(namer.name_of(key), mapping={"h": header, "p": payload})
+        put_record(raw, namer.name_of(key), header, payload)
     adapter = open_adapter(**where, key_prefix=prefix, max_capacity_gb=1.0)
     assert adapter.used_bytes() == sum(sizes), "the old chain's records are not counted"
     assert client_of(adapter).lookup_and_lock(keys).found == [False] * 3, "another chain's record is a miss"
@@ -2183,7 +2218,7 @@ def test_records_of_another_serde_chain_over_the_capacity_are_evicted(
     payload = pattern(1, 200 << 10)
     for key in keys:
         header = encode_header(key, payload, serde=("zstd",))
-        raw.hset(namer.name_of(key), mapping={"h": header, "p": payload})
+        put_record(raw, namer.name_of(key), header, payload)
     adapter = open_adapter(url=redis_server.url, key_prefix=prefix, max_capacity_gb=1 / 1024)
     wait_for(lambda: not adapter.stats()["scan_running"], "the start-up scan")
     assert adapter.usage() > 3.0, adapter.stats()
@@ -2201,21 +2236,21 @@ def _nodes_of(request: pytest.FixtureRequest, mode: str) -> list[RedisServer]:
 
 
 @pytest.mark.parametrize("mode", ["standalone", "cluster"])
-def test_a_user_denied_hstrlen_opens_and_leaves_other_chain_records_unlisted_counted(
+def test_a_user_denied_strlen_opens_and_leaves_other_chain_records_unlisted_counted(
     request: pytest.FixtureRequest,
     prefix: str,
     open_adapter: Callable[..., BackendAdapter],
     caplog: pytest.LogCaptureFixture,
     mode: str,
 ) -> None:
-    # An ACL granting the adapter's commands one by one, from before HSTRLEN was used:
+    # An ACL granting the adapter's commands one by one, all but the optional STRLEN:
     # the adapter still opens (sizing another chain's records is no reason to refuse a
     # running deployment); those records are left out of the listing as before, counted,
     # and one warning names the grant.
     where, raw = shared_store(request, mode)
-    user = f"no-hstrlen-{uuid.uuid4().hex[:8]}"
-    # every command the adapter needed before HSTRLEN, and the permission check's transaction
-    granted = ["+ping", "+hset", "+hget", "+hmget", "+scan", "+evalsha", "+eval", "+unlink"]
+    user = f"no-strlen-{uuid.uuid4().hex[:8]}"
+    # every command the adapter needs but STRLEN, and the permission check's transaction
+    granted = ["+ping", "+set", "+get", "+getrange", "+scan", "+evalsha", "+eval", "+unlink"]
     granted += ["+multi", "+discard"]
     client_side = (
         ["+cluster|slots", "+cluster|shards", "+cluster|nodes", "+command"] if mode == "cluster" else []
@@ -2231,24 +2266,24 @@ def test_a_user_denied_hstrlen_opens_and_leaves_other_chain_records_unlisted_cou
         for index, key in enumerate(keys):
             payload = pattern(index, 4096)
             header = encode_header(key, payload, serde=("zstd",))
-            raw.hset(namer.name_of(key), mapping={"h": header, "p": payload})
+            put_record(raw, namer.name_of(key), header, payload)
         with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
             adapter = open_adapter(
                 **where, key_prefix=prefix, username=user, password="pw", max_capacity_gb=1.0
             )
             assert adapter.used_bytes() == 0, "unsized records are left out of the usage"
         assert adapter.stats()["listing_foreign_unsized"] == 3
-        assert adapter.stats().get("listing_reply_errors", 0) == 0, "a denied HSTRLEN is no reply error"
-        warnings = [r.getMessage() for r in caplog.records if "HSTRLEN" in r.getMessage()]
-        assert len(warnings) == 1 and "+hstrlen" in warnings[0], warnings
+        assert adapter.stats().get("listing_reply_errors", 0) == 0, "a denied STRLEN is no reply error"
+        warnings = [r.getMessage() for r in caplog.records if "STRLEN" in r.getMessage()]
+        assert len(warnings) == 1 and "+strlen" in warnings[0], warnings
         assert [raw.exists(namer.name_of(key)) for key in keys] == [1, 1, 1], "they are kept"
         mine = make_keys(2, start=10)
         data = store(adapter, mine)
         # Lookups believe the header where its payload's length cannot be read: counted.
         found = client_of(adapter).lookup_and_lock(mine)
-        assert found.found == [True, True], "lookups work without HSTRLEN"
+        assert found.found == [True, True], "lookups work without STRLEN"
         assert adapter.stats()["payload_length_unchecked"] == 2
-        assert load(adapter, mine, found.sizes) == ([True, True], data), "the adapter works without HSTRLEN"
+        assert load(adapter, mine, found.sizes) == ([True, True], data), "the adapter works without STRLEN"
         adapter.unlock(mine)
     finally:
         for node in nodes:
@@ -2265,12 +2300,12 @@ def test_a_delete_leaves_a_record_of_a_newer_format_and_removes_the_others(
     store(adapter, keys)
     raw = redis.Redis.from_url(redis_server.url)
     names = [backend_of(adapter).name_of(key) for key in keys]
-    header = bytearray(raw.hget(names[0], "h"))
+    header = bytearray(header_of(raw, names[0]))
     header[4:6] = (99).to_bytes(2, "little")
     header[-4:] = zlib.crc32(bytes(header[:-4])).to_bytes(4, "little")  # intact: a newer server's
-    raw.hset(names[0], "h", bytes(header))
+    set_header(raw, names[0], bytes(header))
     assert adapter.delete(keys) == [False, True]
-    assert raw.hget(names[0], "h") == bytes(header) and raw.exists(names[1]) == 0
+    assert header_of(raw, names[0]) == bytes(header) and raw.exists(names[1]) == 0
     stats = adapter.stats()
     assert stats["record_version_unknown"] == 1 and stats.get("corrupt_records_removed", 0) == 0
     assert adapter.used_bytes() == 0
@@ -2287,10 +2322,10 @@ def test_a_delete_whose_later_removals_fail_counts_only_the_keys_it_could_not_re
     store(adapter, keys, size=16)
     backend = backend_of(adapter)
     raw = redis.Redis.from_url(own_server.url)
-    header = bytearray(raw.hget(backend.name_of(keys[-1]), "h"))
+    header = bytearray(header_of(raw, backend.name_of(keys[-1])))
     header[4:6] = (99).to_bytes(2, "little")
     header[-4:] = zlib.crc32(bytes(header[:-4])).to_bytes(4, "little")  # intact: a newer server's
-    raw.hset(backend.name_of(keys[-1]), "h", bytes(header))
+    set_header(raw, backend.name_of(keys[-1]), bytes(header))
     # trip one's reads and removals, trip two's reads, then its removals fail
     cache_the_removal_script(backend)
     fail_pipeline(backend, 4, redis.ConnectionError("Connection closed by server."))
@@ -2335,7 +2370,7 @@ def test_a_delete_whose_later_removals_the_store_refuses_counts_them_as_refused(
 def test_a_delete_that_finds_something_else_under_the_name_counts_it_once(
     request: pytest.FixtureRequest, prefix: str, open_adapter: Callable[..., BackendAdapter], mode: str
 ) -> None:
-    # Something else (a string, not a record's hash) replaced this server's object under
+    # Something else (a hash, not a record's string) replaced this server's object under
     # its name: the eviction's delete leaves it, counted, and the lookup core makes right
     # after the delete to see whether the key is still there finds it again.
     where, raw = shared_store(request, mode)
@@ -2344,9 +2379,9 @@ def test_a_delete_that_finds_something_else_under_the_name_counts_it_once(
     store(adapter, [key], size=16)
     name = backend_of(adapter).name_of(key)
     raw.delete(name)
-    raw.set(name, b"somebody else's string")
+    raw.hset(name, "field", b"somebody else's hash")
     assert adapter.delete([key]) == [False]
-    assert raw.get(name) == b"somebody else's string", "what another party wrote was deleted"
+    assert raw.hget(name, "field") == b"somebody else's hash", "what another party wrote was deleted"
     assert adapter.used_bytes() == 0, "the key is gone from here: its bytes are released"
     assert adapter.stats()["foreign_objects"] == 1, "counted once, by the delete"
     assert client_of(adapter).lookup_and_lock([key]).found == [False]
@@ -2515,13 +2550,13 @@ def test_a_cluster_batch_one_node_of_which_refuses_writes_counts_its_keys_as_ref
 @pytest.mark.parametrize(
     ("rules", "named"),
     [
-        (["~*", "+@all", "-hset"], "HSET: .*'hset' command"),
+        (["~*", "+@all", "-set"], "SET: .*'set' command"),
         (["~*", "+@all", "-@scripting"], "EVALSHA: .*'evalsha' command.*EVAL: "),
         (["~*", "+@all", "-unlink"], "UNLINK: .*'unlink' command"),
-        (["~elsewhere:*", "+@all"], "HSET: .*keys"),
+        (["~elsewhere:*", "+@all"], "SET: .*keys"),
         (["~*", "+@all", "-ping"], "PING"),
     ],
-    ids=["no-hset", "no-scripts", "no-unlink", "other-keys", "no-ping"],
+    ids=["no-set", "no-scripts", "no-unlink", "other-keys", "no-ping"],
 )
 def test_a_user_the_acl_denies_a_needed_command_is_refused_at_start_up(
     own_server: RedisServer,
@@ -2551,10 +2586,10 @@ def test_a_user_allowed_the_needed_commands_on_its_prefix_opens(
         ">narrow-pw",
         f"~{glob_escape(prefix)}*",
         "+ping",
-        "+hset",
-        "+hget",
-        "+hmget",
-        "+hstrlen",
+        "+set",
+        "+get",
+        "+getrange",
+        "+strlen",
         "+scan",
         "+evalsha",
         "+eval",
@@ -2575,7 +2610,7 @@ def test_a_replica_is_not_refused_at_start_up_by_the_permission_check(
     open_adapter: Callable[..., BackendAdapter],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # A replica (a failover, a misdirected url) answers READONLY to HSET queued in the
+    # A replica (a failover, a misdirected url) answers READONLY to SET queued in the
     # check's MULTI: that is no ACL denial, and the store heals through the circuit like
     # any replica, so the adapter opens -- the commands it could not check named in a warning.
     own_server.cli("REPLICAOF", "127.0.0.1", "1")  # a primary nobody answers on
@@ -2584,17 +2619,17 @@ def test_a_replica_is_not_refused_at_start_up_by_the_permission_check(
             open_adapter(url=own_server.url, key_prefix=prefix)
     finally:
         own_server.cli("REPLICAOF", "NO", "ONE")
-    assert any("HSET: You can't write against a read only replica" in r.getMessage() for r in caplog.records)
+    assert any("SET: You can't write against a read only replica" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize(
     ("denied_on", "rules", "named"),
     [
         ("every", ["~*", "+@all", "-unlink"], "UNLINK: .*'unlink' command"),
-        ("every", ["~elsewhere:*", "+@all"], "HSET: .*keys"),
-        ("one", ["~*", "+@all", "-hset"], "HSET: .*'hset' command"),
+        ("every", ["~elsewhere:*", "+@all"], "SET: .*keys"),
+        ("one", ["~*", "+@all", "-set"], "SET: .*'set' command"),
     ],
-    ids=["no-unlink", "other-keys", "no-hset-on-one-node"],
+    ids=["no-unlink", "other-keys", "no-set-on-one-node"],
 )
 def test_a_cluster_user_the_acl_denies_a_needed_command_is_refused_at_start_up(
     redis_cluster: RedisClusterNodes,
@@ -2634,7 +2669,7 @@ def test_a_cluster_user_allowed_the_needed_commands_opens(
     redis_cluster: RedisClusterNodes, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
     user = f"narrow-{uuid.uuid4().hex[:8]}"
-    needed = ["+ping", "+hset", "+hget", "+hmget", "+hstrlen", "+scan", "+evalsha", "+eval", "+unlink"]
+    needed = ["+ping", "+set", "+get", "+getrange", "+strlen", "+scan", "+evalsha", "+eval", "+unlink"]
     # what redis-py's cluster client asks for the slot map, and the check's transaction
     client_side = ["+cluster|slots", "+cluster|shards", "+cluster|nodes", "+multi", "+discard", "+command"]
     for node in redis_cluster.nodes:
@@ -2657,12 +2692,12 @@ def test_a_cluster_user_allowed_the_needed_commands_opens(
             node.cli("ACL", "DELUSER", user)
 
 
-def _user_denied_hset_on(cluster: RedisClusterNodes, denying: RedisServer) -> str:
+def _user_denied_set_on(cluster: RedisClusterNodes, denying: RedisServer) -> str:
     """A new user (password ``limited-pw``) allowed everything on every node of
-    ``cluster`` but HSET on ``denying``: each node keeps its own ACL."""
+    ``cluster`` but SET on ``denying``: each node keeps its own ACL."""
     user = f"limited-{uuid.uuid4().hex[:8]}"
     for node in cluster.nodes:
-        rules = ["~*", "+@all", "-hset"] if node is denying else ["~*", "+@all"]
+        rules = ["~*", "+@all", "-set"] if node is denying else ["~*", "+@all"]
         node.cli("ACL", "SETUSER", user, "reset", "on", ">limited-pw", *rules)
     return user
 
@@ -2673,15 +2708,15 @@ def test_a_cluster_primary_that_does_not_answer_leaves_the_others_checked(
     open_adapter: Callable[..., BackendAdapter],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # A cluster of its own: the shared one cannot lose a node.  One primary denies HSET,
+    # A cluster of its own: the shared one cannot lose a node.  One primary denies SET,
     # another is killed before open (still in every slot map): the denial found on the
     # live primary refuses the start, and the dead one is named as not checked.
     denying, dead = own_cluster.nodes[1], own_cluster.nodes[2]
-    user = _user_denied_hset_on(own_cluster, denying)
+    user = _user_denied_set_on(own_cluster, denying)
     dead.stop()
     with (
         caplog.at_level(logging.WARNING),
-        pytest.raises(ConfigError, match=r"HSET: .*'hset' command") as refused,
+        pytest.raises(ConfigError, match=r"SET: .*'set' command") as refused,
     ):
         open_adapter(
             startup_nodes=own_cluster.nodes[0].address,
@@ -2707,7 +2742,7 @@ def test_a_cluster_primary_that_hung_at_start_up_is_checked_when_it_answers(
     # the adapter's calls refused (the circuit opens and its probe keeps it open) until
     # the ACL allows the commands.
     denying = own_cluster.nodes[2]
-    user = _user_denied_hset_on(own_cluster, denying)
+    user = _user_denied_set_on(own_cluster, denying)
     denying.pause()  # hung: the check at open times out on it
     try:
         with caplog.at_level(logging.WARNING):
@@ -2733,7 +2768,7 @@ def test_a_cluster_primary_that_hung_at_start_up_is_checked_when_it_answers(
 
     wait_for(denial_counted, "the check of the primary once it answers")
     assert any(
-        "HSET" in r.getMessage() and denying.address in r.getMessage()
+        "SET" in r.getMessage() and denying.address in r.getMessage()
         for r in caplog.records
         if r.levelno == logging.ERROR
     )
@@ -2742,7 +2777,7 @@ def test_a_cluster_primary_that_hung_at_start_up_is_checked_when_it_answers(
     wait_for(lambda: adapter.stats().get("circuit_probe_failures", 0) > probes, "a probe")
     assert adapter.stats()["circuit_open"] == 1, "the probe closed the circuit on a denying node"
     # Allowed at last: the probe's check passes and calls resume.
-    denying.cli("ACL", "SETUSER", user, "+hset")
+    denying.cli("ACL", "SETUSER", user, "+set")
     wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close once allowed")
     data = store(adapter, keys)
     assert load(adapter, keys, [4096] * 4) == ([True] * 4, data)
@@ -2755,7 +2790,7 @@ def test_a_denying_cluster_primary_that_does_not_answer_a_later_check_keeps_its_
     # calls' checks for its pause) says nothing of its ACL: the denial stands -- not
     # cleared for calls to go on, then counted and logged again as news once it answers.
     denying = own_cluster.nodes[2]
-    user = _user_denied_hset_on(own_cluster, denying)
+    user = _user_denied_set_on(own_cluster, denying)
     denying.pause()  # hung: the check at open times out on it, so the check is owed
     try:
         adapter = open_adapter(
@@ -3083,7 +3118,7 @@ def test_a_replica_promoted_after_every_primary_was_checked_is_checked(
     prefix: str,
     open_adapter: Callable[..., BackendAdapter],
 ) -> None:
-    # Every primary allowed the user at open; a replica whose ACL denies HSET (each node
+    # Every primary allowed the user at open; a replica whose ACL denies SET (each node
     # keeps its own) is promoted later.  Its permissions are checked once the client's
     # slot map names it: the denial is counted, not left to fail its stores one by one.
     replica = _replica_of(own_cluster, own_cluster.nodes[0], tmp_path / "replica")
@@ -3091,7 +3126,7 @@ def test_a_replica_promoted_after_every_primary_was_checked_is_checked(
         user = f"limited-{uuid.uuid4().hex[:8]}"
         for node in own_cluster.nodes:
             node.cli("ACL", "SETUSER", user, "reset", "on", ">limited-pw", "~*", "+@all")
-        replica.cli("ACL", "SETUSER", user, "reset", "on", ">limited-pw", "~*", "+@all", "-hset")
+        replica.cli("ACL", "SETUSER", user, "reset", "on", ">limited-pw", "~*", "+@all", "-set")
         adapter = open_adapter(
             startup_nodes=own_cluster.nodes[1].address,
             cluster_mode=True,
@@ -3114,3 +3149,60 @@ def test_a_replica_promoted_after_every_primary_was_checked_is_checked(
         wait_for(denial_counted, "the check of the promoted primary")
     finally:
         replica.stop()
+
+
+# -- the string layout's edges ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["direct", "pipelined", "cluster"])
+def test_a_header_longer_than_the_head_a_lookup_reads_is_read_whole(
+    request: pytest.FixtureRequest, prefix: str, open_adapter: Callable[..., BackendAdapter], mode: str
+) -> None:
+    # A key near the longest model name and salt makes a record header longer than the
+    # head a lookup, a listing or a delete reads: it is read again whole, never taken for
+    # damage (which would remove an acknowledged object).
+    adapter, backend, raw = adapter_in_mode(request, prefix, open_adapter, mode, max_capacity_gb=1.0)
+    keys = [ObjectKey("m" * 256, 0, index.to_bytes(8, "big") * 8, 0, "s" * 128) for index in range(2)]
+    data = store(adapter, keys)
+    names = [backend.name_of(key) for key in keys]
+    assert all(len(header_of(raw, name)) > HEAD_READ for name in names)
+    found = client_of(adapter).lookup_and_lock(keys)
+    assert found.found == [True, True] and found.sizes == [4096, 4096]
+    assert load(adapter, keys, found.sizes) == ([True, True], data)
+    adapter.unlock(keys)
+    where, _ = shared_store(request, "cluster" if mode == "cluster" else "standalone")
+    listing = open_adapter(**where, key_prefix=prefix, max_capacity_gb=1.0)
+    wait_for(lambda: not listing.stats()["scan_running"], "the start-up scan")
+    assert listing.used_bytes() == 2 * 4096, "the listing sizes them"
+    assert listing.delete(keys) == [True, True]
+    assert [raw.exists(name) for name in names] == [0, 0]
+    for counted in (adapter, listing):
+        assert counted.stats().get("corrupt_records_removed", 0) == 0
+
+
+@pytest.mark.parametrize("mode", ["direct", "pipelined", "cluster"])
+@pytest.mark.parametrize(
+    "value",
+    [b"x", b"LMTR" + bytes(60), b"LMTR\x01\x00\x00\x00\xff\x0f\x00\x00" + bytes(60)],
+    ids=["short", "no-header-length", "header-past-the-value"],
+)
+def test_a_value_that_holds_no_record_is_a_counted_miss_and_is_removed(
+    request: pytest.FixtureRequest,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    mode: str,
+    value: bytes,
+) -> None:
+    # Shorter than a record header's start, a start with an impossible header length, or
+    # one whose header would be longer than the value: damage under a record's name, a
+    # miss for lookups and loads, counted and removed -- never bytes handed out.
+    adapter, backend, raw = adapter_in_mode(request, prefix, open_adapter, mode)
+    keys = make_keys(2)
+    store(adapter, keys)
+    names = [backend.name_of(key) for key in keys]
+    for name in names:
+        raw.set(name, value)
+    assert client_of(adapter).lookup_and_lock(keys[:1]).found == [False]
+    assert load(adapter, keys[1:], [4096])[0] == [False]
+    assert [raw.exists(name) for name in names] == [0, 0]
+    assert adapter.stats()["corrupt_records_removed"] == 2

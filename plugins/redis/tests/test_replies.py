@@ -12,6 +12,7 @@ import pytest
 import xxhash
 from lmcache_plugin_redis.backend import lookup_commands
 from lmcache_plugin_redis.direct import pack_command
+from lmcache_plugin_redis.records import HEAD_READ
 from lmcache_plugin_redis.replies import MAX_LINE, SCRATCH_SIZE, ReplyReader
 from redis.exceptions import BusyLoadingError, InvalidResponse, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -54,14 +55,12 @@ def bulk(data: bytes) -> bytes:
 
 
 LOAD_REPLIES = (
-    b"*2\r\n"
-    + bulk(b"header")
-    + bulk(PAYLOAD)  # an object
-    + b"*2\r\n$-1\r\n$-1\r\n"  # an absent key
+    bulk(b"header" + PAYLOAD)  # an object: its header, then its payload
+    + b"$-1\r\n"  # an absent key
     + b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n"
-    + b"*2\r\n"
-    + bulk(b"other")
-    + bulk(b"skipped payload")
+    + bulk(b"other" + b"skipped payload")
+    + bulk(b"")  # an empty value
+    + b"+OK\r\n"  # a store's SET
     + bulk(b"a lookup's header")
     + b"$-1\r\n"
 )
@@ -73,8 +72,8 @@ def test_replies_are_read_in_order_however_they_arrive(
 ) -> None:
     reader, theirs = peer
     writer = feed(theirs, LOAD_REPLIES, piece=piece)
-    assert reader.array_length() == 2
-    assert reader.bulk(reader.bulk_length()) == b"header"
+    assert reader.bulk_start() == len(b"header") + len(PAYLOAD)
+    assert reader.part(len(b"header")) == b"header"
     target = memoryview(bytearray(len(PAYLOAD)))
     pieces: list[int] = []
     hasher = xxhash.xxh3_128()
@@ -83,42 +82,35 @@ def test_replies_are_read_in_order_however_they_arrive(
         pieces.append(view.nbytes)
         hasher.update(view)
 
-    assert reader.bulk_length() == len(PAYLOAD)
-    reader.bulk_into(target, update)
+    reader.part_into(target, update)
+    reader.end_bulk()
     assert bytes(target) == PAYLOAD
     assert sum(pieces) == len(PAYLOAD), "every byte was hashed once, in order"
     assert hasher.digest() == xxhash.xxh3_128(PAYLOAD).digest()
-    assert reader.array_length() == 2
-    assert reader.bulk_length() == -1
-    assert reader.bulk_length() == -1
-    error = reader.array_length()
+    assert reader.bulk_start() == -1
+    error = reader.bulk_start()
     assert isinstance(error, ResponseError) and str(error).startswith("WRONGTYPE")
-    assert reader.array_length() == 2
-    assert reader.bulk(reader.bulk_length()) == b"other"
-    reader.skip_bulk(reader.bulk_length())
+    assert reader.bulk_start() == len(b"otherskipped payload")
+    assert reader.part(5) == b"other"
+    reader.skip_part(len(b"skipped payload"))
+    reader.end_bulk()
+    assert reader.bulk_start() == 0
+    reader.end_bulk()
+    assert reader.status_reply() == "OK"
     assert reader.bulk_reply() == b"a lookup's header"
     assert reader.bulk_reply() is None
     writer.join()
 
 
-def test_skip_reply_reads_past_a_whole_array(peer: tuple[ReplyReader, socket.socket]) -> None:
-    reader, theirs = peer
-    theirs.sendall(b"*3\r\n" + bulk(b"a") + b"$-1\r\n" + bulk(PAYLOAD) + bulk(b"next"))
-    count = reader.array_length()
-    assert count == 3
-    reader.skip_reply(count)
-    assert reader.bulk_reply() == b"next"
-
-
 @pytest.mark.parametrize(
     ("stream", "message"),
     [
-        (b"+OK\r\n", "expected an array reply"),
-        (b"*2\r\n:1\r\n", "expected a bulk string"),
-        (b"*x\r\n", "bad length"),
-        (b"*-5\r\n", "bad length"),
-        (b"*2\r\n$3\r\nabcXY", "does not end with CRLF"),
-        (b"*" + b"9" * (MAX_LINE + 10), "longer than"),
+        (b"+OK\r\n", "expected a bulk string reply"),
+        (b"*2\r\n", "expected a bulk string reply"),
+        (b"$x\r\n", "bad length"),
+        (b"$-5\r\n", "bad length"),
+        (b"$3\r\nabcXY", "does not end with CRLF"),
+        (b"$" + b"9" * (MAX_LINE + 10), "longer than"),
     ],
 )
 def test_replies_a_load_never_asks_for_are_protocol_errors(
@@ -127,8 +119,30 @@ def test_replies_a_load_never_asks_for_are_protocol_errors(
     reader, theirs = peer
     feed(theirs, stream, piece=4096)
     with pytest.raises(InvalidResponse, match=message):
-        assert reader.array_length() == 2
-        reader.bulk(reader.bulk_length())
+        assert reader.bulk_start() == 3
+        reader.part(3)
+        reader.end_bulk()
+
+
+@pytest.mark.parametrize(
+    ("stream", "message"),
+    [(b":1\r\n", "expected a status reply"), (b"$2\r\nOK\r\n", "expected a status reply")],
+)
+def test_a_store_reply_that_is_no_status_is_a_protocol_error(
+    peer: tuple[ReplyReader, socket.socket], stream: bytes, message: str
+) -> None:
+    reader, theirs = peer
+    theirs.sendall(stream)
+    with pytest.raises(InvalidResponse, match=message):
+        reader.status_reply()
+
+
+def test_a_refused_store_is_its_error_reply(peer: tuple[ReplyReader, socket.socket]) -> None:
+    reader, theirs = peer
+    theirs.sendall(b"-OOM command not allowed when used memory > 'maxmemory'.\r\n+OK\r\n")
+    error = reader.status_reply()
+    assert isinstance(error, ResponseError) and str(error).startswith("OOM")
+    assert reader.status_reply() == "OK"
 
 
 def test_a_lookup_reply_of_another_type_is_a_protocol_error(
@@ -142,7 +156,7 @@ def test_a_lookup_reply_of_another_type_is_a_protocol_error(
 
 def test_a_lookups_payload_lengths_are_read_as_integers(peer: tuple[ReplyReader, socket.socket]) -> None:
     reader, theirs = peer
-    feed(theirs, b":1048576\r\n:0\r\n-NOPERM User may not run hstrlen\r\n" + bulk(b"next"), piece=3)
+    feed(theirs, b":1048576\r\n:0\r\n-NOPERM User may not run strlen\r\n" + bulk(b"next"), piece=3)
     assert reader.integer_reply() == 1 << 20
     assert reader.integer_reply() == 0
     error = reader.integer_reply()
@@ -167,11 +181,11 @@ def test_a_peer_hanging_up_inside_a_reply_is_a_connection_error(
     peer: tuple[ReplyReader, socket.socket],
 ) -> None:
     reader, theirs = peer
-    theirs.sendall(b"*2\r\n$6\r\nhea")
+    theirs.sendall(b"$6\r\nhea")
     theirs.close()
-    assert reader.array_length() == 2
+    assert reader.bulk_start() == 6
     with pytest.raises(RedisConnectionError, match="closed"):
-        reader.bulk(reader.bulk_length())
+        reader.part(6)
 
 
 def test_a_silent_peer_is_a_timeout(
@@ -179,11 +193,11 @@ def test_a_silent_peer_is_a_timeout(
 ) -> None:
     pair[0].settimeout(0.1)
     reader, theirs = peer
-    theirs.sendall(b"*2\r\n")
+    theirs.sendall(b"$6\r\n")
     started = time.monotonic()
-    assert reader.array_length() == 2
+    assert reader.bulk_start() == 6
     with pytest.raises(RedisTimeoutError):
-        reader.bulk_length()
+        reader.part(6)
     assert time.monotonic() - started < 5.0
 
 
@@ -194,13 +208,14 @@ def test_a_detached_reader_fails_as_a_closed_connection() -> None:
 
 
 def test_commands_are_packed_as_arrays_of_bulk_strings() -> None:
-    assert pack_command(b"HGET", b"name", b"h") == b"*3\r\n$4\r\nHGET\r\n$4\r\nname\r\n$1\r\nh\r\n"
+    assert pack_command(b"GET", b"name") == b"*2\r\n$3\r\nGET\r\n$4\r\nname\r\n"
     assert pack_command(b"X", b"") == b"*2\r\n$1\r\nX\r\n$0\r\n\r\n"
 
 
 @pytest.mark.parametrize("name", [b"", b"p:k", b"\xff" * 300])
 def test_a_lookups_commands_are_packed_as_pack_command_packs_them(name: bytes) -> None:
-    assert lookup_commands(name) == pack_command(b"HGET", name, b"h") + pack_command(b"HSTRLEN", name, b"p")
+    head = pack_command(b"GETRANGE", name, b"0", str(HEAD_READ - 1).encode())
+    assert lookup_commands(name) == head + pack_command(b"STRLEN", name)
 
 
 def test_a_store_still_loading_its_data_fails_the_call_not_one_object(
@@ -209,4 +224,4 @@ def test_a_store_still_loading_its_data_fails_the_call_not_one_object(
     reader, theirs = peer
     theirs.sendall(b"-LOADING Redis is loading the dataset in memory\r\n")
     with pytest.raises(BusyLoadingError):
-        reader.array_length()
+        reader.bulk_start()

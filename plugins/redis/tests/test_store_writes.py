@@ -54,7 +54,7 @@ def _received(sock: socket.socket, length: int) -> bytes:
     return data
 
 
-def test_a_trip_is_the_hsets_redis_py_would_send_and_the_bulk_limit_answer_drops_its_object(
+def test_a_trip_is_the_sets_redis_py_would_send_and_the_bulk_limit_answer_drops_its_object(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
     # Redis answers a string over proto-max-bulk-len with "ERR Protocol error: invalid
@@ -67,25 +67,23 @@ def test_a_trip_is_the_hsets_redis_py_would_send_and_the_bulk_limit_answer_drops
     names = {0: b"prefix:zero", 1: b"prefix:one"}
     headers = RecordHeaders(_Context(), keys, payloads)  # type: ignore[arg-type]
     expected = b"".join(
-        pack_command(
-            b"HSET", names[index], b"p", bytes(payloads[index]), b"h", b"header-of-%d" % payloads[index][0]
-        )
+        pack_command(b"SET", names[index], b"header-of-%d" % payloads[index][0] + bytes(payloads[index]))
         for index in (0, 1)
     )
-    theirs.sendall(b":2\r\n-ERR Protocol error: invalid bulk length\r\n")
+    theirs.sendall(b"+OK\r\n-ERR Protocol error: invalid bulk length\r\n")
     reader = ReplyReader()
     reader.attach(ours)
     replies = write_records(ours.sendall, reader, names, payloads, headers, [0, 1], [])
     assert _received(theirs, len(expected)) == expected
-    assert replies[0] == 2
+    assert replies[0] == "OK"
     assert isinstance(replies[1], ResponseError)
     assert _dropped_indices([0, 1], replies) == [1]
 
 
-def test_a_record_header_is_taken_after_its_payload_is_sent_and_checked_before_the_trip() -> None:
-    # The checksum is taken while the store reads the payload just sent (the header is the
-    # HSET's last field); whether the header can be made at all is known before the trip's
-    # first byte.
+def test_a_record_header_is_taken_after_the_payload_before_it_is_sent_and_checked_before_the_trip() -> None:
+    # A header goes before its payload (``SET name <header><payload>``): each but the
+    # trip's first is taken while the store reads the payload sent just before; whether
+    # the header can be made at all is known before the trip's first byte.
     keys = make_keys(2)
     payloads = [memoryview(bytearray([7]) * 30), memoryview(bytearray([9]) * 50)]
     context = _Context()
@@ -96,9 +94,9 @@ def test_a_record_header_is_taken_after_its_payload_is_sent_and_checked_before_t
             context.events.append(f"payload {bytes(data[:1])[0]}")
 
     reader = mock.Mock(spec=ReplyReader)
-    reader.integer_reply.return_value = 2
-    assert write_records(send, reader, {0: b"a", 1: b"b"}, payloads, headers, [0, 1], []) == [2, 2]
-    assert context.events == ["check 7", "check 9", "payload 7", "header 7", "payload 9", "header 9"]
+    reader.status_reply.return_value = "OK"
+    assert write_records(send, reader, {0: b"a", 1: b"b"}, payloads, headers, [0, 1], []) == ["OK", "OK"]
+    assert context.events == ["check 7", "check 9", "header 7", "payload 7", "header 9", "payload 9"]
 
 
 def test_a_header_that_cannot_be_made_fails_its_trip_before_a_byte_is_sent(

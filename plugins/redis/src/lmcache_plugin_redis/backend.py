@@ -1,19 +1,18 @@
-"""The ``redis`` backend: one Redis hash per object, ``h`` its record header, ``p`` its payload.
+"""The ``redis`` backend: one Redis string per object, core's record -- its header, then
+its payload (records.py says why a string, not a hash).
 
-Why a hash: one ``HSET key p <payload> h <header>`` writes header and payload as two
-separate buffers in one atomic command -- nothing is concatenated in memory, and a reader
-(another server too) sees the old object or the new one, never half of either.  ``HGET h``
-answers a lookup from the header (sizes, key, serde chain, all verified by its crc), and
-``HSTRLEN p`` in the same trip says the payload is as long as the header says: a crc-valid
-header describing another payload (a buggy writer's) is damage, never a size to account;
-``HMGET h p`` loads: the header is checked, and the payload's length against the header
-and the caller's buffer, before the payload is read; the object is reported loaded only once every byte
-matched the header's checksum.  On a standalone store lookups and loads read their replies
-themselves (direct.py, replies.py): the payload goes from the socket into the caller's
-buffer, hashed piece by piece as it lands; stores are written there too, each checksum taken
-while the store reads a payload already sent (writes.py).  In cluster mode they
-go through redis-py's cluster pipeline, which follows slot moves, and a load copies the
-verified reply.
+``GETRANGE`` of the value's first bytes answers a lookup from the header (sizes, key,
+serde chain, all verified by its crc), and ``STRLEN`` in the same trip says the value is
+as long as header and payload together: a crc-valid header describing another payload (a
+buggy writer's) is damage, never a size to account; ``GET`` loads: the header is checked,
+and the payload's length against the header and the caller's buffer, before the payload
+is read; the object is reported loaded only once every byte matched the header's
+checksum.  On a standalone store lookups and loads read their replies themselves
+(direct.py, replies.py): the payload goes from the socket into the caller's buffer,
+hashed piece by piece as it lands; stores are written there too, each checksum taken
+while the store reads a payload already sent (writes.py).  In cluster mode they go
+through redis-py's cluster pipeline, which follows slot moves: a store joins header and
+payload into one value, and a load copies the verified payload out of the reply.
 
 Why plain methods on worker threads (not ``redis.asyncio``): on 256 x 1 MiB the sync client
 with pipelines stored and loaded ~1.5-2x faster than the asyncio client on this project's
@@ -46,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import logging
 import threading
 import time
@@ -57,7 +55,6 @@ from redis import Redis, RedisCluster
 from redis.exceptions import (
     AuthenticationError,
     ClusterDownError,
-    InvalidResponse,
     NoPermissionError,
     NoScriptError,
     OutOfMemoryError,
@@ -74,9 +71,21 @@ from lmcache_plugin_redis.client import build_client, describe, ignored_nodes
 from lmcache_plugin_redis.config import RedisConfig
 from lmcache_plugin_redis.direct import DirectConnections, Send, pack_command
 from lmcache_plugin_redis.limits import default_limits, read_limits
+from lmcache_plugin_redis.records import (
+    HEAD_READ,
+    NO_GUARD,
+    REMOVE_IF_UNCHANGED,
+    REMOVE_IF_UNCHANGED_SHA,
+    PayloadGuard,
+    digest_guard,
+    length_guard,
+    payload_mismatch,
+    split_head,
+)
 from lmcache_plugin_redis.replies import ReplyReader
 from lmcache_plugin_redis.writes import RecordHeaders, RecordTrip
 from lmcache_tiers.plugin import (
+    PREFIX_SIZE,
     BackendContext,
     ConfigError,
     KeptByDelete,
@@ -96,33 +105,10 @@ from lmcache_tiers.plugin import (
 
 log = logging.getLogger("lmcache_tiers.l2.redis")
 
-HEADER = b"h"
-PAYLOAD = b"p"
 #: Redis keys may be long: every valid key gets its readable (decodable) name
 NAME_LIMIT = 1 << 14
 #: keys asked about per pipelined round trip in lookups, deletes and listings
 KEYS_PER_TRIP = 512
-#: removes a record only if its header is still the one read ("" for none): a record
-#: another writer stored there since is not the one judged, and is kept.  A record judged
-#: by its payload too (ARGV[2], ARGV[3]: a ``PayloadGuard``) is removed only while its
-#: payload is still the one judged bad -- the same object stored again since has the very
-#: header bytes read, and is intact: "length" and the length read (-1: no payload field),
-#: "sha1" and the digest of the bytes read.  Replies 1 when it removed the record.
-_REMOVE_IF_UNCHANGED = """
-if (redis.call('HGET', KEYS[1], 'h') or '') ~= ARGV[1] then return 0 end
-if ARGV[2] == 'length' then
-  local judged = tonumber(ARGV[3])
-  if judged < 0 then
-    if redis.call('HEXISTS', KEYS[1], 'p') == 1 then return 0 end
-  elseif redis.call('HSTRLEN', KEYS[1], 'p') ~= judged then return 0 end
-elseif ARGV[2] == 'sha1' then
-  local payload = redis.call('HGET', KEYS[1], 'p')
-  if not payload or redis.sha1hex(payload) ~= ARGV[3] then return 0 end
-end
-return redis.call('UNLINK', KEYS[1])
-"""
-#: the digest EVALSHA calls it by (a store that lacks it answers NOSCRIPT, and is sent it)
-_REMOVE_IF_UNCHANGED_SHA = hashlib.sha1(_REMOVE_IF_UNCHANGED.encode()).hexdigest()
 _GIB = 1 << 30
 #: reply errors that mean the store (or the way to it) failed, not one object
 _CALL_FAILURES = (RedisConnectionError, RedisTimeoutError)
@@ -145,37 +131,10 @@ _STORE_REFUSAL_CODES = (
     "NOREPLICAS ",
     "MISCONF ",
 )
-#: what the removal script compares the stored payload with besides the header (see
-#: ``_REMOVE_IF_UNCHANGED``); () for a record judged by its header alone
-PayloadGuard = tuple[()] | tuple[bytes, int | str]
-#: what is wrong with one loaded object: its error reply, its header, why it is damaged and
-#: the payload judged (to remove only that), or (a miss that is kept) how to count and log it
+#: what is wrong with one loaded object: its error reply, the head of its value judged,
+#: why it is damaged and the value judged (to remove only that), or (a miss that is kept)
+#: how to count and log it
 Problem = ResponseError | tuple[bytes, RecordError, PayloadGuard] | Callable[[], None]
-#: the guard of a record read with a header and no payload field
-NO_PAYLOAD: PayloadGuard = (b"length", -1)
-
-
-def _digest_guard(payload: bytes | memoryview) -> PayloadGuard:
-    """The guard of a payload that failed its checksum: the digest of the bytes read.
-    Its length cannot tell it from the object stored again (the header's length either
-    way), and Lua has no crc32; ``redis.sha1hex`` is built into Redis and Valkey scripts.
-    Hashed on this failure path only, never on a load that verifies."""
-    return (b"sha1", hashlib.sha1(payload).hexdigest())
-
-
-#: why a payload without its header is damage: one HSET writes both fields, so a payload
-#: alone was left by something else (an earlier layout, a hand edit, a partial writer) --
-#: never listed, it would hold store memory no capacity counts and no eviction frees
-HEADERLESS = "the record has a payload but no header"
-
-
-def _headerless_guard(length: Any) -> PayloadGuard:
-    """The removal guard of a name whose header is absent and whose payload is ``length``
-    bytes (HSTRLEN's answer, or a load's; -1 or an error reply: none): () where there is
-    nothing to remove -- no payload, or an empty one HSTRLEN cannot tell from none."""
-    if isinstance(length, int) and length > 0:
-        return (b"length", length)
-    return ()
 
 
 #: what ``_judged_header`` answers for an intact record of another serde chain
@@ -213,12 +172,12 @@ def permission_refusals(client: Redis, name: str) -> tuple[list[str], list[str]]
     each queued in a MULTI on ``name`` and the transaction discarded: nothing runs,
     nothing is written."""
     commands: list[tuple[Any, ...]] = [
-        ("HSET", name, HEADER, b"", PAYLOAD, b""),
-        ("HGET", name, HEADER),
-        ("HMGET", name, HEADER, PAYLOAD),
+        ("SET", name, b""),
+        ("GET", name),
+        ("GETRANGE", name, 0, HEAD_READ - 1),
         ("SCAN", 0, "MATCH", glob_escape(name), "COUNT", 1),
-        ("EVALSHA", _REMOVE_IF_UNCHANGED_SHA, 1, name, b""),
-        ("EVAL", _REMOVE_IF_UNCHANGED, 1, name, b""),
+        ("EVALSHA", REMOVE_IF_UNCHANGED_SHA, 1, name, b""),
+        ("EVAL", REMOVE_IF_UNCHANGED, 1, name, b""),
         ("UNLINK", name),
     ]
     connection = client.connection_pool.get_connection()
@@ -329,15 +288,17 @@ def glob_escape(text: str) -> str:
     return "".join("\\" + char if char in "*?[]\\" else char for char in text)
 
 
-#: ``pack_command(b"HGET", name, HEADER) + pack_command(b"HSTRLEN", name, PAYLOAD)`` as
-#: one format: a lookup packs two commands per key, and the format costs a third of that
+#: ``pack_command(b"GETRANGE", name, b"0", b"<HEAD_READ - 1>") + pack_command(b"STRLEN",
+#: name)`` as one format: a lookup packs two commands per key, and the format costs a third
+#: of that
 _LOOKUP_COMMANDS = (
-    b"*3\r\n$4\r\nHGET\r\n$%d\r\n%s\r\n$1\r\nh\r\n*3\r\n$7\r\nHSTRLEN\r\n$%d\r\n%s\r\n$1\r\np\r\n"
+    b"*4\r\n$8\r\nGETRANGE\r\n$%%d\r\n%%s\r\n$1\r\n0\r\n$%d\r\n%d\r\n"
+    b"*2\r\n$6\r\nSTRLEN\r\n$%%d\r\n%%s\r\n" % (len(str(HEAD_READ - 1)), HEAD_READ - 1)
 )
 
 
 def lookup_commands(name: bytes) -> bytes:
-    """A lookup's commands for ``name``, packed: its header, its payload's length."""
+    """A lookup's commands for ``name``, packed: its value's head, its value's length."""
     return _LOOKUP_COMMANDS % (len(name), name, len(name), name)
 
 
@@ -463,7 +424,8 @@ class RedisBackend:
         return self.client.pipeline(transaction=False)
 
     def _queue_lookup(self, pipe: Any, name: str | bytes) -> None:
-        """Queue ``HGET name h`` and ``HSTRLEN name p`` (a lookup's or a listing's pair).
+        """Queue ``GETRANGE name 0 <HEAD_READ - 1>`` and ``STRLEN name`` (a lookup's or a
+        listing's pair).
         In a cluster both go to the node the slot map names for ``name``, found once:
         redis-py's pipeline would otherwise route each command by its key again (its
         policy resolved, its key hashed) -- a third of the CPU of a lookup.
@@ -475,8 +437,8 @@ class RedisBackend:
         if isinstance(client, RedisCluster):
             with contextlib.suppress(SlotNotCoveredError):
                 options["target_nodes"] = client.get_node_from_key(name)
-        pipe.execute_command("HGET", name, HEADER, **options)
-        pipe.execute_command("HSTRLEN", name, PAYLOAD, **options)
+        pipe.execute_command("GETRANGE", name, 0, HEAD_READ - 1, **options)
+        pipe.execute_command("STRLEN", name, **options)
 
     def _execute(self, pipe: Any, *, per_key: bool = False) -> list[Any]:
         """Replies of a pipeline; raises when the store, not one object, failed.
@@ -577,7 +539,13 @@ class RedisBackend:
                 return
             self.context.count("foreign_objects")
             self.context.warn(
-                "foreign", "%s %s: the key holds something else (%s); a miss", what, key.file_stem(), text
+                "foreign",
+                "%s %s: the key holds another type than a record's string (%s) -- a hash is a "
+                "record of the layout before this release, replaced when the key is stored "
+                "again; a miss",
+                what,
+                key.file_stem(),
+                text,
             )
         elif isinstance(error, OutOfMemoryError) or text.startswith("OOM"):
             self.context.count("store_refused_by_server")
@@ -739,7 +707,7 @@ class RedisBackend:
     def _denial(self, denied: list[str]) -> str:
         return (
             f"{self.context.name}: the Redis user may not run what the adapter needs "
-            f"({'; '.join(denied)}): grant it HSET, HGET, HMGET, SCAN, EVALSHA, EVAL "
+            f"({'; '.join(denied)}): grant it SET, GET, GETRANGE, SCAN, EVALSHA, EVAL "
             f"and UNLINK on keys {self.prefix!r}*"
         )
 
@@ -997,7 +965,7 @@ class RedisBackend:
         stored = [False] * len(keys)
         outcome = self._store_trips(keys, payloads, range(len(keys)), stored, 0, may_reread=True)
         if isinstance(outcome, _LimitsLowered):
-            # The dropped objects and the rest sent again: HSET of the same bytes again is
+            # The dropped objects and the rest sent again: SET of the same bytes again is
             # harmless, and the objects over the limits now read are refused this time.
             earlier = outcome.failure
             outcome = self._store_trips(
@@ -1026,10 +994,10 @@ class RedisBackend:
         store that answers right after, is sent again one object per trip
         (``_store_each_alone``); one that does not answer fails the trip, as before."""
         failure: Exception | None = None
-        sendable = self._within_bulk_limit(keys, payloads, indices)
+        headers = RecordHeaders(self.context, keys, payloads)
+        sendable = self._within_bulk_limit(keys, headers, indices)
         sizes = [payloads[index].nbytes for index in sendable]
         windows = list(trips(sizes, self.config.pipeline_max_bytes))
-        headers = RecordHeaders(self.context, keys, payloads)
         for number, trip in enumerate(windows, first_trip):
             batch = [sendable[position] for position in trip]
             following = number - first_trip + 1
@@ -1041,7 +1009,7 @@ class RedisBackend:
             except (RedisError, RedisClusterException) as exc:
                 replies = exc
             dropped = _dropped_indices(batch, replies) if may_reread else []
-            resend = self._over_limits_read_again(dropped, payloads)
+            resend = self._over_limits_read_again(dropped, headers)
             if resend:
                 failure = failure or self._record_answered(keys, batch, replies, stored, resend)
                 first = _first_failing_trip(number, stored)
@@ -1074,15 +1042,16 @@ class RedisBackend:
         batch: list[int],
         upcoming: list[int],
     ) -> list[Any]:
-        """One store trip: HSET of the records ``batch`` indexes, each key's reply (see
+        """One store trip: SET of the records ``batch`` indexes, each key's reply (see
         ``_execute``).  On a standalone store on this thread's own connection, the headers
         of ``upcoming`` (the next trip) taken while the store reads this one (writes.py);
         through redis-py's pipeline in a cluster."""
         if self._direct is None:
             pipe = self._pipeline()
             for index in batch:
-                mapping = {PAYLOAD: payloads[index], HEADER: headers.of(index)}
-                pipe.hset(self.name_of(keys[index]), mapping=mapping)
+                # redis-py sends one value per argument: header and payload joined here
+                value = b"".join((headers.of(index), payloads[index]))
+                pipe.execute_command("SET", self.name_of(keys[index]), value)
             return self._execute(pipe, per_key=True)
         names = {index: self.name_of(keys[index]).encode() for index in batch}
         trip = RecordTrip(self._direct, names, payloads, headers, batch, upcoming)
@@ -1150,21 +1119,21 @@ class RedisBackend:
         """Store the objects of a trip the store dropped, and answers since, one per trip
         in order: one dropped again while the store still answers is refused alone
         (``_refuse_dropped_alone``), the others are stored and accounted -- those the trip
-        wrote before its drop too (HSET of the same bytes again).  One dropped alone
+        wrote before its drop too (SET of the same bytes again).  One dropped alone
         already is refused without being sent again.  Each is sent once more (redis-py
         resends a dropped pipeline once): bounded by the trip.  The error, and how many
         objects it leaves unsent, when the store fails meanwhile."""
-        if len(dropped) == 1:
-            self._refuse_dropped_alone(keys[dropped[0]], payloads[dropped[0]].nbytes)
-            return None
         headers = RecordHeaders(self.context, keys, payloads)
+        if len(dropped) == 1:
+            self._refuse_dropped_alone(keys[dropped[0]], headers.value_length(dropped[0]))
+            return None
         for position, index in enumerate(dropped):
             try:
                 reply: Any = self._send_records(keys, payloads, headers, [index], [])[0]
             except (RedisError, RedisClusterException) as exc:
                 reply = exc
             if _dropped_connection(reply) and self._store_answers(keys[index]):
-                self._refuse_dropped_alone(keys[index], payloads[index].nbytes)
+                self._refuse_dropped_alone(keys[index], headers.value_length(index))
             elif per_object_error(reply):
                 self._reply_error("store", keys[index], reply)
             elif isinstance(reply, Exception):
@@ -1191,7 +1160,7 @@ class RedisBackend:
             "assumed: CONFIG GET is refused" if self._limits_assumed else "as read; a proxy's?",
         )
 
-    def _over_limits_read_again(self, dropped: list[int], payloads: Sequence[memoryview]) -> list[int]:
+    def _over_limits_read_again(self, dropped: list[int], headers: RecordHeaders) -> list[int]:
         """The objects of a store trip to send again: those whose connection (the
         trip's, or a cluster node's) was dropped, when one of them is over the store's
         limits read again -- what an object over a limit lowered since it was last read
@@ -1202,22 +1171,22 @@ class RedisBackend:
             return []
         self._read_bulk_limit()
         limit = self._limits.longest_value
-        return dropped if any(payloads[index].nbytes > limit for index in dropped) else []
+        return dropped if any(headers.value_length(index) > limit for index in dropped) else []
 
     def _within_bulk_limit(
-        self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview], indices: Sequence[int]
+        self, keys: Sequence[ObjectKey], headers: RecordHeaders, indices: Sequence[int]
     ) -> Sequence[int]:
-        """Those of ``indices`` whose payloads the store takes; each longer than its
+        """Those of ``indices`` whose values (header and payload) the store takes; each longer than its
         ``proto-max-bulk-len``, or than its ``client-query-buffer-limit`` holds, is
         refused here, counted and logged -- sent, it would make the store close the
         connection, failing the whole batch."""
         limits = self._limits
         limit = limits.longest_value
-        if all(payloads[index].nbytes <= limit for index in indices):
+        if all(headers.surely_within(index, limit) for index in indices):
             return indices
         sendable = []
         for index in indices:
-            if payloads[index].nbytes <= limit:
+            if headers.value_length(index) <= limit:
                 sendable.append(index)
                 continue
             self.context.count("store_refused_over_bulk_limit")
@@ -1226,7 +1195,7 @@ class RedisBackend:
                 "%s not stored: %d bytes, over what the store takes in one command "
                 "(proto-max-bulk-len %d, client-query-buffer-limit %d bytes)",
                 keys[index].file_stem(),
-                payloads[index].nbytes,
+                headers.value_length(index),
                 limits.bulk,
                 limits.query_buffer,
             )
@@ -1245,13 +1214,15 @@ class RedisBackend:
                     self._queue_lookup(pipe, name)
                 replies = self._execute(pipe)
             for position, index in enumerate(trip):
-                header_reply, length_reply = replies[2 * position], replies[2 * position + 1]
-                found[index] = self._checked_size(keys[index], header_reply, length_reply, "lookup")
+                head_reply, length_reply = replies[2 * position], replies[2 * position + 1]
+                found[index] = self._checked_size(
+                    keys[index], names[position], head_reply, length_reply, "lookup"
+                )
         return found
 
     @staticmethod
     def _read_headers(send: Send, reader: ReplyReader, names: list[str]) -> list[Any]:
-        """Each name's header and its payload's length, one after the other."""
+        """Each name's value's head and its length, one after the other."""
         send(b"".join(lookup_commands(name.encode()) for name in names))
         replies: list[Any] = []
         for _ in names:
@@ -1271,7 +1242,7 @@ class RedisBackend:
         for trip in trips([buffer.nbytes for buffer in buffers], self.config.pipeline_max_bytes):
             pipe = self._pipeline()
             for index in trip:
-                pipe.hmget(self.name_of(keys[index]), [HEADER, PAYLOAD])
+                pipe.get(self.name_of(keys[index]))
             for index, reply in zip(trip, self._execute(pipe), strict=True):
                 loaded[index] = self._fill(keys[index], reply, buffers[index])
         return loaded
@@ -1281,7 +1252,7 @@ class RedisBackend:
     ) -> list[bool]:
         """Loads on this thread's own connection, each payload received into its buffer.
 
-        The HMGETs of the next trip are sent before the replies of the current one are
+        The GETs of the next trip are sent before the replies of the current one are
         read, so the store is never idle between trips while at most two trips of
         replies wait in its output buffer.  Reply errors and damaged records are acted
         on once every reply was read (a retry after a dropped connection reads again).
@@ -1315,11 +1286,7 @@ class RedisBackend:
         problems: list[tuple[ObjectKey, Problem]] = []
 
         def request(trip: range) -> None:
-            send(
-                b"".join(
-                    pack_command(b"HMGET", self.name_of(keys[i]).encode(), HEADER, PAYLOAD) for i in trip
-                )
-            )
+            send(b"".join(pack_command(b"GET", self.name_of(keys[i]).encode()) for i in trip))
 
         request(windows[0])
         for number, trip in enumerate(windows):
@@ -1336,54 +1303,56 @@ class RedisBackend:
     def _receive(
         self, reader: ReplyReader, key: ObjectKey, buffer: memoryview
     ) -> Problem | Literal[True] | None:
-        """One HMGET reply: True when ``buffer`` holds the verified payload, None for a
+        """One GET reply: True when ``buffer`` holds the verified payload, None for a
         plain miss, else what is wrong with the object (acted on by the caller once every
-        reply was read, so a retried call counts nothing twice)."""
-        fields = reader.array_length()
-        if isinstance(fields, ResponseError):
-            return fields
-        if fields != 2:
-            reader.skip_reply(fields)
-            raise InvalidResponse(f"HMGET answered {fields} fields for 2")
-        header_len = reader.bulk_length()
-        header_bytes = reader.bulk(header_len) if header_len >= 0 else None
-        payload_len = reader.bulk_length()
-        if header_bytes is None:
-            reader.skip_bulk(payload_len)
-            guard = _headerless_guard(payload_len)
-            return (b"", RecordError(HEADERLESS), guard) if guard else None
+        reply was read, so a retried call counts nothing twice).  The header is read and
+        checked before a byte of the payload is: one that does not describe a payload of
+        the buffer's size is read past."""
+        total = reader.bulk_start()
+        if isinstance(total, ResponseError):
+            return total
+        if total <= 0:
+            reader.skip_part(max(total, 0))
+            if total == 0:
+                reader.end_bulk()
+            return None
+        head = reader.part(min(total, PREFIX_SIZE))
+        split = split_head(head, total)
+        if isinstance(split, int):  # the rest of the header
+            head += reader.part(split - len(head))
+            split = head
+        if not isinstance(split, bytes):
+            reader.skip_part(total - len(head))
+            reader.end_bulk()
+            assert isinstance(split, RecordError)  # a value of one byte or more has a head
+            return head, split, length_guard(total)
+        header_bytes = split
+        payload_len = total - len(header_bytes)
         try:
             header = self.context.read_record_header(header_bytes, key)
         except RecordError as exc:
-            reader.skip_bulk(payload_len)
+            reader.skip_part(payload_len)
+            reader.end_bulk()
             if record_verdict(exc).kept:  # counted and logged once every reply was read
                 return functools.partial(self._deletes.kept_record, key, exc)
-            return header_bytes, exc, ()
-        if header is None:
-            reader.skip_bulk(payload_len)
-            return None
-        if payload_len < 0:
-            # One HSET writes both fields: a header alone was left by something else,
-            # and would answer lookups as a hit that no load can serve.
-            return header_bytes, RecordError("the record has a header but no payload"), NO_PAYLOAD
-        # Checked against the header before a byte reaches the caller's buffer: a payload
-        # of the buffer's size that its header does not describe is damage, not a load.
-        if payload_len != header.payload_len:
-            reader.skip_bulk(payload_len)
-            return (
-                header_bytes,
-                RecordError("payload length differs from its header"),
-                (b"length", payload_len),
-            )
-        if payload_len != buffer.nbytes:
-            reader.skip_bulk(payload_len)
+            return header_bytes, exc, NO_GUARD
+        if header is None or payload_len != header.payload_len or payload_len != buffer.nbytes:
+            reader.skip_part(payload_len)
+            reader.end_bulk()
+            if header is None:
+                return None
+            # Checked against the header before a byte reaches the caller's buffer: a
+            # payload of the buffer's size that its header does not describe is damage.
+            if payload_len != header.payload_len:
+                return header_bytes, payload_mismatch(payload_len, header.payload_len), length_guard(total)
             return functools.partial(self._size_changed, key, payload_len, buffer.nbytes)
         verifier = PayloadVerifier(header)
-        reader.bulk_into(buffer, verifier.update)
+        reader.part_into(buffer, verifier.update)
+        reader.end_bulk()
         try:
             verifier.verify()
         except RecordError as exc:
-            return header_bytes, exc, _digest_guard(buffer)
+            return header_bytes, exc, digest_guard(header_bytes, buffer)
         return True
 
     def delete_many(self, keys: Sequence[ObjectKey]) -> list[bool]:
@@ -1416,11 +1385,12 @@ class RedisBackend:
     def _deletable(
         self, keys: Sequence[ObjectKey], trip: range, number: int, left: int
     ) -> tuple[dict[int, bytes], Exception | None] | Exception:
-        """The headers (b"" for none) of the keys of ``trip`` a delete may remove, and the
-        first failed node's error; the error alone when the whole trip failed."""
+        """The heads judged (the header, or the first bytes of a value that is no record;
+        b"" for none) of the keys of ``trip`` a delete may remove, and the first failed
+        node's error; the error alone when the whole trip failed."""
         pipe = self._pipeline()
         for index in trip:
-            pipe.hget(self.name_of(keys[index]), HEADER)
+            pipe.execute_command("GETRANGE", self.name_of(keys[index]), 0, HEAD_READ - 1)
         replies = self._trip(pipe, number, "delete", left)
         if isinstance(replies, Exception):
             return replies
@@ -1429,12 +1399,30 @@ class RedisBackend:
         for index, reply in zip(trip, replies, strict=True):
             if per_object_error(reply):  # WRONGTYPE: not a record; NOPERM: refused
                 self._reply_error("delete", keys[index], reply)
-            elif isinstance(reply, Exception):  # a failed node, or another client error
+                continue
+            if isinstance(reply, Exception):  # a failed node, or another client error
                 self._request_failed("delete", keys[index], reply)
                 failure = failure or reply
-            elif reply is None or not self._deletes.keeps(keys[index], reply):
-                removable[index] = b"" if reply is None else bytes(reply)
+                continue
+            head = bytes(reply)
+            split = split_head(head, None)
+            if isinstance(split, int):
+                split = self._whole_head(self.name_of(keys[index]), split)
+            if isinstance(split, bytes):
+                if self._deletes.keeps(keys[index], split):
+                    continue
+                head = split
+            # Nothing there (b""), a value that is no record (its head, as read), or this
+            # server's record: removed while its value still starts with what was read.
+            removable[index] = head
         return removable, failure
+
+    def _whole_head(self, name: str, length: int) -> bytes | None:
+        """The first ``length`` bytes of ``name``'s value -- a header longer than
+        ``HEAD_READ`` -- read by a command of its own; None when the value is shorter now
+        (replaced since the first read: a miss, the next lookup reads it anew)."""
+        head = self.client.execute_command("GETRANGE", name, 0, length - 1)
+        return bytes(head) if head is not None and len(head) == length else None
 
     def _remove_unchanged(
         self, keys: Sequence[ObjectKey], removable: dict[int, bytes], number: int, left: int
@@ -1465,7 +1453,7 @@ class RedisBackend:
         keys: Sequence[ObjectKey],
         removable: dict[int, bytes],
         send: Callable[[Any], list[Any] | Exception],
-        guard: PayloadGuard = (),
+        guard: PayloadGuard = NO_GUARD,
     ) -> dict[int, Any] | Exception:
         """Per index, the reply of its remove-if-unchanged script called by its digest
         through ``send`` -- the keys a node answered NOSCRIPT for sent the body once more,
@@ -1506,7 +1494,7 @@ class RedisBackend:
         """The remove-if-unchanged script for each key, called by its digest (EVALSHA:
         no script body per key) or sent whole (EVAL)."""
         pipe = self._pipeline()
-        command, script = ("EVALSHA", _REMOVE_IF_UNCHANGED_SHA) if by_sha else ("EVAL", _REMOVE_IF_UNCHANGED)
+        command, script = ("EVALSHA", REMOVE_IF_UNCHANGED_SHA) if by_sha else ("EVAL", REMOVE_IF_UNCHANGED)
         for index, header in removable.items():
             # (execute_command: a cluster pipeline refuses eval(), yet routes EVAL by its key)
             pipe.execute_command(command, script, 1, self.name_of(keys[index]), header, *guard)
@@ -1542,14 +1530,14 @@ class RedisBackend:
     # -- records --------------------------------------------------------------------------------
 
     def _warn_unsized(self, unsized: list[ObjectKey]) -> None:
-        """One warning for a listing's records of another serde chain that HSTRLEN, denied
+        """One warning for a listing's records of another serde chain that STRLEN, denied
         by the store's ACL, could not size: optional, as a user granted the commands one
         by one before it was used may lack it -- they are left out of the usage instead."""
         if unsized:
             log.warning(
                 "%s: %d records of another serde chain under %r are not counted in the usage "
-                "and no eviction deletes them: the Redis user may not run HSTRLEN (grant it "
-                "+hstrlen to size them)",
+                "and no eviction deletes them: the Redis user may not run STRLEN (grant it "
+                "+strlen to size them)",
                 self.context.name,
                 len(unsized),
                 self.prefix,
@@ -1558,33 +1546,36 @@ class RedisBackend:
     def _sizes(
         self, batch: list[tuple[ObjectKey, bytes]], unsized: list[ObjectKey]
     ) -> Iterator[tuple[ObjectKey, ObjectSize | int]]:
-        """Each listed record's sizes: its header's, checked against its payload's length
+        """Each listed record's sizes: its header's, checked against its value's length
         (``_payload_agrees``), or -- a record of another serde chain -- that length alone."""
         pipe = self._pipeline()
         for _, raw in batch:
             self._queue_lookup(pipe, raw)
         replies = self._execute(pipe)
-        for position, (key, _) in enumerate(batch):
-            header_reply, length_reply = replies[2 * position], replies[2 * position + 1]
-            if header_reply is None:
-                self._discard_headerless(key, length_reply)
+        for position, (key, raw) in enumerate(batch):
+            head_reply, length_reply = replies[2 * position], replies[2 * position + 1]
+            header_bytes = self._header_bytes(key, raw, head_reply, length_reply, "listing")
+            if header_bytes is None:
                 continue
-            header = self._judged_header(key, header_reply, "listing")
+            header = self._judged_header(key, header_bytes, "listing")
             if header == OTHER_CHAIN:
-                length = self._other_chain_size(key, length_reply, unsized)
+                length = self._other_chain_size(key, header_bytes, length_reply, unsized)
                 if length:
                     yield key, length
             elif isinstance(header, RecordHeader) and self._payload_agrees(
-                key, header, header_reply, length_reply, "listing"
+                key, header, header_bytes, length_reply, "listing"
             ):
                 yield key, ObjectSize(header.payload_len, header.l1_size)
 
-    def _other_chain_size(self, key: ObjectKey, reply: Any, unsized: list[ObjectKey]) -> int:
-        """A record of another serde chain (a kept miss) is listed by its payload's length:
+    def _other_chain_size(
+        self, key: ObjectKey, header_bytes: bytes, reply: Any, unsized: list[ObjectKey]
+    ) -> int:
+        """A record of another serde chain (a kept miss) is listed by its payload's length
+        (its value's, ``reply``, but its header):
         it holds memory in the store, so it counts against ``max_capacity_gb`` and an
         eviction may delete it, as other adapters list them.  Its header is not this
-        chain's to read the sizes from.  0 (not listed) for one whose payload is gone, or
-        that HSTRLEN is denied for (``unsized``, counted ``listing_foreign_unsized``)."""
+        chain's to read the sizes from.  0 (not listed) for one without a payload, or that
+        STRLEN is denied for (``unsized``, counted ``listing_foreign_unsized``)."""
         if _denied(reply):
             self.context.count("listing_foreign_unsized")
             unsized.append(key)
@@ -1592,43 +1583,76 @@ class RedisBackend:
         if isinstance(reply, ResponseError):
             self._reply_error("listing", key, reply)
             return 0
-        return int(reply)
+        return max(int(reply) - len(header_bytes), 0)
 
     def _checked_size(
-        self, key: ObjectKey, header_reply: Any, length_reply: Any, what: str
+        self, key: ObjectKey, name: str | bytes, head_reply: Any, length_reply: Any, what: str
     ) -> ObjectSize | None:
-        """The sizes of a record whose verified header (``header_reply``) describes the
-        payload HSTRLEN measured (``length_reply``, from the same trip); None for a miss."""
-        if header_reply is None:
-            self._discard_headerless(key, length_reply)
+        """The sizes of a record whose verified header (at the start of ``head_reply``, the
+        value's head) describes a value as long as STRLEN measured (``length_reply``, from
+        the same trip); None for a miss."""
+        header_bytes = self._header_bytes(key, name, head_reply, length_reply, what)
+        if header_bytes is None:
             return None
-        header = self._header(key, header_reply, what)
-        if header is None or not self._payload_agrees(key, header, header_reply, length_reply, what):
+        header = self._header(key, header_bytes, what)
+        if header is None or not self._payload_agrees(key, header, header_bytes, length_reply, what):
             return None
         return ObjectSize(header.payload_len, header.l1_size)
+
+    def _header_bytes(
+        self, key: ObjectKey, name: str | bytes, head_reply: Any, length_reply: Any, what: str
+    ) -> bytes | None:
+        """The header at the start of the value ``name`` holds, from its head read
+        (``head_reply``) and its length (``length_reply``); a header longer than the
+        head read is read again whole.  None for a miss: nothing there, an error reply
+        about the object (counted; one about the store fails the call), or a value that
+        can hold no record -- damage, counted and removed unless replaced meanwhile."""
+        if refuses_everything(head_reply):
+            raise head_reply
+        if isinstance(head_reply, ResponseError):
+            self._reply_error(what, key, head_reply)
+            if not str(head_reply).startswith("WRONGTYPE"):
+                # BUSY, NOPERM, MASTERDOWN ...: the object may well be there.  A miss would
+                # read as "absent", and core would release its bytes and announce it gone.
+                raise head_reply
+            return None
+        head = bytes(head_reply)
+        # A head shorter than asked for is the whole value, whatever STRLEN answered.
+        total = length_reply if isinstance(length_reply, int) else None
+        if total is None and len(head) < HEAD_READ:
+            total = len(head)
+        split = split_head(head, total)
+        if isinstance(split, int):
+            text = name.decode("utf-8", "replace") if isinstance(name, bytes) else name
+            split = self._whole_head(text, split)
+        if isinstance(split, RecordError):
+            self._discard(key, head, split, length_guard(total))
+            return None
+        return split
 
     def _payload_agrees(
         self, key: ObjectKey, header: RecordHeader, header_bytes: bytes, length_reply: Any, what: str
     ) -> bool:
-        """Whether the stored payload is as long as its header says.  The crc proves the
-        header intact, not that it describes the payload beside it (a buggy writer, or a
-        hand edit, may pair them wrongly): believed, a size past the capacity would be
-        accounted and the eviction would clear the cache for it.  A record that differs is
-        damage -- a miss, counted and removed (unless replaced meanwhile), as a load finds
-        it.  Where the ACL denies HSTRLEN the header is believed (counted, logged): loads
-        still check the payload's length before a byte of it is used.  The two replies
-        come from one trip, not one atomic read: a record another writer replaced between
-        them by one of another length reads as damage -- a miss, counted, yet kept, as the
-        removal is conditional on the header read and on the payload still being the
-        length read (one script, atomic): the object read, stored again since, is kept."""
-        if length_reply == header.payload_len:
+        """Whether the stored value is as long as its header and the payload it describes.
+        The crc proves the header intact, not that it describes the payload beside it (a
+        buggy writer, or a hand edit, may pair them wrongly): believed, a size past the
+        capacity would be accounted and the eviction would clear the cache for it.  A
+        record that differs is damage -- a miss, counted and removed (unless replaced
+        meanwhile), as a load finds it.  Where the ACL denies STRLEN the header is believed
+        (counted, logged): loads still check the payload's length before a byte of it is
+        used.  The two replies come from one trip, not one atomic read: a record another
+        writer replaced between them by one of another length reads as damage -- a miss,
+        counted, yet kept, as the removal is conditional on the header read and on the
+        value still being the length read (one script, atomic): the object read, stored
+        again since, is kept."""
+        if length_reply == len(header_bytes) + header.payload_len:
             return True
         if _denied(length_reply):
             self.context.count("payload_length_unchecked")
             self.context.warn(
-                "hstrlen_denied",
+                "strlen_denied",
                 "%s: its payload length is not checked against its header's %d bytes: the Redis "
-                "user may not run HSTRLEN (grant it +hstrlen)",
+                "user may not run STRLEN (grant it +strlen)",
                 key.file_stem(),
                 header.payload_len,
             )
@@ -1640,23 +1664,12 @@ class RedisBackend:
             if not str(length_reply).startswith("WRONGTYPE"):
                 raise length_reply  # the object may well be there: "absent" would be wrong
             return False  # replaced by something else since its header was read
-        reason = (
-            "the record has a header but no payload"
-            if length_reply == 0
-            else f"the payload is {length_reply} bytes, its header says {header.payload_len}"
-        )
-        # Header and length were read by two commands: the removal keeps the record unless
-        # its payload is still the length read (the object the header describes, stored
+        reason = payload_mismatch(int(length_reply) - len(header_bytes), header.payload_len)
+        # Head and length were read by two commands: the removal keeps the record unless
+        # its value is still the length read (the object the header describes, stored
         # again since, has the header read and is intact).
-        self._discard(key, header_bytes, RecordError(reason), (b"length", int(length_reply)))
+        self._discard(key, header_bytes, reason, length_guard(int(length_reply)))
         return False
-
-    def _discard_headerless(self, key: ObjectKey, length_reply: Any) -> None:
-        """A name with no header: absent, or -- a payload of ``length_reply`` bytes there --
-        a stray payload, removed as damage (``_headerless_guard``)."""
-        guard = _headerless_guard(length_reply)
-        if guard:
-            self._discard(key, b"", RecordError(HEADERLESS), guard)
 
     def _header(self, key: ObjectKey, reply: Any, what: str) -> RecordHeader | None:
         """The verified header in a reply; None (a miss) for anything else, except an
@@ -1705,40 +1718,43 @@ class RedisBackend:
         )
 
     def _fill(self, key: ObjectKey, reply: Any, buffer: memoryview) -> bool:
+        """A GET's reply (redis-py's, in a cluster) into ``buffer``, once verified."""
         if refuses_everything(reply):
             raise reply
         if isinstance(reply, ResponseError):
             self._reply_error("load", key, reply)
             return False
-        header_bytes, payload = reply
-        if header_bytes is None:
-            self._discard_headerless(key, -1 if payload is None else len(payload))
+        if not reply:
             return False
-        header = self._header(key, header_bytes, "load")
+        value = memoryview(reply)
+        split = split_head(bytes(value[:HEAD_READ]), value.nbytes)
+        if isinstance(split, int):
+            split = bytes(value[:split])
+        if isinstance(split, RecordError):
+            self._discard(key, bytes(value[:HEAD_READ]), split, length_guard(value.nbytes))
+            return False
+        assert split is not None
+        header = self._header(key, split, "load")
         if header is None:
             return False
-        if payload is None:
-            self._discard(
-                key, header_bytes, RecordError("the record has a header but no payload"), NO_PAYLOAD
-            )
+        payload = value[len(split) :]
+        if payload.nbytes != header.payload_len:
+            reason = payload_mismatch(payload.nbytes, header.payload_len)
+            self._discard(key, split, reason, length_guard(value.nbytes))
             return False
-        if len(payload) != buffer.nbytes:
-            if len(payload) != header.payload_len:
-                reason = RecordError("payload length differs from its header")
-                self._discard(key, header_bytes, reason, (b"length", len(payload)))
-            else:
-                self._size_changed(key, len(payload), buffer.nbytes)
+        if payload.nbytes != buffer.nbytes:
+            self._size_changed(key, payload.nbytes, buffer.nbytes)
             return False
         try:
             verify_payload(header, payload)
         except RecordError as exc:
-            self._discard(key, header_bytes, exc, _digest_guard(payload))
+            self._discard(key, split, exc, digest_guard(value))
             return False
         copy_into(buffer, payload)
         return True
 
     def _discard(
-        self, key: ObjectKey, header_bytes: bytes, error: Exception, guard: PayloadGuard = ()
+        self, key: ObjectKey, header_bytes: bytes, error: Exception, guard: PayloadGuard = NO_GUARD
     ) -> None:
         """Remove a record that failed verification, unless it was replaced meanwhile --
         as deletes remove, so a node that lost the script is sent it alone (a Script

@@ -80,8 +80,8 @@ class RedisConfig(L2AdapterConfig):
     """Objects in Redis or Valkey (standalone, or a Redis Cluster), shared by every
     lmcache-tiers server that points at the same store.
 
-    Each object is one hash: a checksummed record header and the payload, written by one
-    HSET (atomic: readers see the old object or the new one) and verified on every load;
+    Each object is one string: a checksummed record header, then the payload, written by
+    one SET (atomic: readers see the old object or the new one) and verified on every load;
     a damaged record is a miss and is removed. Lookups ask the store each time, so a
     chunk stored through one server is a hit through every other.
 

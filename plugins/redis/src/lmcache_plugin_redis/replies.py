@@ -4,20 +4,20 @@ redis-py hands a bulk reply over as a ``bytes`` object: with hiredis the reply c
 three buffers (the socket's chunk, hiredis' own buffer, the ``bytes``) before a load
 copies it into the caller's buffer and hashes it once more.  For a 1 MiB payload on this
 project's 2-core machine that was ~0.3 ms of the ~0.8 ms a GET took.  Here a load's reply
-is parsed as it arrives: the small parts (array and bulk lengths, the record header) go
-through a scratch buffer, and a payload is received with ``recv_into`` directly into the
-caller's buffer, each piece hashed right after it landed while it is still in the core's
-cache.  The header is decoded and checked first, so a payload of the wrong length is
-never written into a buffer (it is read past), and the caller's ``True`` still comes only
-after every payload byte matched the header's checksum.
+is parsed as it arrives: the small parts (lengths, the record header) go through a
+scratch buffer, and a payload is received with ``recv_into`` directly into the caller's
+buffer, each piece hashed right after it landed while it is still in the core's cache.
+The header, at the start of the value, is decoded and checked first, so a payload of the
+wrong length is never written into a buffer (it is read past), and the caller's ``True``
+still comes only after every payload byte matched the header's checksum.
 
-Only what a lookup's ``HGET`` and ``HSTRLEN`` and a load's ``HMGET`` can answer is
-understood: a bulk string, an integer, an array of bulk strings (or nils), or an error
-reply (RESP2, which the connections speak).  Anything else is a protocol error, and
-every socket failure or timeout raises redis-py's own ``ConnectionError`` /
-``TimeoutError``, so the connection is dropped, retried and counted exactly as for
-redis-py's commands (so is a ``LOADING`` error: a server still loading its data set fails
-the call, not one object).
+Only what the adapter's commands answer is understood: a bulk string (a lookup's
+``GETRANGE``, a load's ``GET``, read whole or piece by piece), an integer (``STRLEN``), a
+status (a store's ``SET``), or an error reply (RESP2, which the connections speak).
+Anything else is a protocol error, and every socket failure or timeout raises redis-py's
+own ``ConnectionError`` / ``TimeoutError``, so the connection is dropped, retried and
+counted exactly as for redis-py's commands (so is a ``LOADING`` error: a server still
+loading its data set fails the call, not one object).
 """
 
 from __future__ import annotations
@@ -132,24 +132,14 @@ class ReplyReader:
 
     # -- replies ------------------------------------------------------------------------------
 
-    def array_length(self) -> int | ResponseError:
-        """The length of the next reply, an array (-1 for a nil array), or its error."""
-        line = self._line()
-        if line[:1] == b"-":
-            return _error(line)
-        if line[:1] != b"*":
-            raise InvalidResponse(f"expected an array reply, got {line[:32]!r}")
-        return _number(line)
-
     def bulk_reply(self) -> bytes | ResponseError | None:
         """The next reply, a bulk string (None for nil), or its error."""
-        line = self._line()
-        if line[:1] == b"-":
-            return _error(line)
-        if line[:1] != b"$":
-            raise InvalidResponse(f"expected a bulk string reply, got {line[:32]!r}")
-        length = _number(line)
-        return None if length < 0 else self.bulk(length)
+        length = self.bulk_start()
+        if isinstance(length, ResponseError) or length < 0:
+            return None if isinstance(length, int) else length
+        data = self.part(length)
+        self.end_bulk()
+        return data
 
     def integer_reply(self) -> int | ResponseError:
         """The next reply, an integer, or its error."""
@@ -163,36 +153,44 @@ class ReplyReader:
         except ValueError:
             raise InvalidResponse(f"bad integer in reply line {line[:32]!r}") from None
 
-    def bulk_length(self) -> int:
-        """The length of the next bulk string in an array (-1 for nil)."""
+    def status_reply(self) -> str | ResponseError:
+        """The next reply, a status (``OK``), or its error."""
         line = self._line()
+        if line[:1] == b"-":
+            return _error(line)
+        if line[:1] != b"+":
+            raise InvalidResponse(f"expected a status reply, got {line[:32]!r}")
+        return line[1:].decode("utf-8", "replace")
+
+    def bulk_start(self) -> int | ResponseError:
+        """The length of the next reply, a bulk string (-1 for nil), or its error; its
+        bytes are then read in parts (``part``, ``part_into``, ``skip_part``) and its end
+        by ``end_bulk``."""
+        line = self._line()
+        if line[:1] == b"-":
+            return _error(line)
         if line[:1] != b"$":
-            raise InvalidResponse(f"expected a bulk string, got {line[:32]!r}")
+            raise InvalidResponse(f"expected a bulk string reply, got {line[:32]!r}")
         return _number(line)
 
-    def bulk(self, length: int) -> bytes:
-        """The bulk string of ``length`` bytes whose length line was just read."""
+    def part(self, length: int) -> bytes:
+        """The next ``length`` bytes of the bulk string being read."""
         data = bytearray(length)
         self._read_into(memoryview(data), None)
-        self._crlf()
         return bytes(data)
 
-    def bulk_into(self, view: memoryview, update: Callable[[memoryview], Any]) -> None:
-        """The bulk string of ``view.nbytes`` bytes whose length line was just read, into
-        ``view``, each piece passed to ``update`` as it lands."""
+    def part_into(self, view: memoryview, update: Callable[[memoryview], Any]) -> None:
+        """The next ``view.nbytes`` bytes of the bulk string being read, into ``view``, each
+        piece passed to ``update`` as it lands."""
         self._read_into(view, update)
+
+    def skip_part(self, length: int) -> None:
+        """Read past the next ``length`` bytes of the bulk string being read."""
+        self._skip(length)
+
+    def end_bulk(self) -> None:
+        """The end of the bulk string whose last byte was just read."""
         self._crlf()
-
-    def skip_bulk(self, length: int) -> None:
-        """Read past the bulk string whose length line was just read (nil: nothing)."""
-        if length >= 0:
-            self._skip(length)
-            self._crlf()
-
-    def skip_reply(self, length: int) -> None:
-        """Read past the rest of an array of ``length`` bulk strings."""
-        for _ in range(max(0, length)):
-            self.skip_bulk(self.bulk_length())
 
 
 def _error(line: bytes) -> ResponseError:

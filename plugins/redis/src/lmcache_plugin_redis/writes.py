@@ -2,20 +2,19 @@
 taken while the store is busy.
 
 A store trip is sent, then its replies waited for; most of that wait is the store reading
-and copying the bytes still in the socket (~3 ms of an 8 MiB trip on this project's 2-core
-machine), while the client has nothing to do.  Each record's header holds its payload's
-checksum (XXH3-128, ~0.08 ms a MiB read from memory), taken where the client would wait:
+the bytes still in the socket, while the client has nothing to do.  Each record's header
+holds its payload's checksum (XXH3-128, ~0.08 ms a MiB read from memory) and goes before
+its payload (``SET name <header><payload>``, records.py), so it is taken where the client
+would otherwise wait:
 
-- the header is the last field of its ``HSET name p <payload> h <header>`` (a hash's
-  fields have no order), so a record's checksum is taken after its payload is in the
-  socket, while the store reads it: sending 1 MiB takes the client ~0.14 ms, the store
-  ~0.35 ms more to read it, and a store of one object no longer waits for its checksum;
+- the header of each record of a trip but its first is taken after the payload before it
+  is in the socket, while the store reads that payload;
 - the headers of the next trip are taken while this trip's replies are waited for.
 
 redis-py's pipeline sends and waits in one call, so this is done here (on a cluster,
-stores keep redis-py's pipeline, which follows slot moves).  Each HSET is sent as its
-small parts and the payload's own buffer: nothing is joined with the payload, nothing
-copied.
+stores keep redis-py's pipeline, which follows slot moves).  Each SET is sent as its small
+parts, the header and the payload's own buffer: nothing is joined with the payload,
+nothing copied.
 """
 
 from __future__ import annotations
@@ -29,10 +28,10 @@ from lmcache_tiers.plugin import BackendContext, ObjectKey
 
 __all__ = ["RecordHeaders", "RecordTrip", "write_records"]
 
-#: ``HSET <name> p`` and the payload's length line, packed (its bytes follow)
-_HSET_PAYLOAD = b"*6\r\n$4\r\nHSET\r\n$%d\r\n%s\r\n$1\r\np\r\n$%d\r\n"
-#: the end of the payload, and the ``h <header>`` field that ends the HSET
-_HEADER_FIELD = b"\r\n$1\r\nh\r\n$%d\r\n%s\r\n"
+#: ``SET <name>`` and the value's length line, packed (the header, then the payload follow)
+_SET_RECORD = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n"
+#: the longest record header core makes (its ``MAX_HEADER_LEN``; a longer one is refused)
+HEADER_BOUND = 1 << 16
 #: the checksum a header is checked with (``RecordHeaders.check``), never stored
 _UNTAKEN = bytes(16)
 
@@ -67,6 +66,25 @@ class RecordHeaders:
         if index not in self._headers:
             self._context.record_header(self._keys[index], self._payloads[index], digest=_UNTAKEN)
 
+    def value_length(self, index: int) -> int:
+        """How long the value of ``index`` is, header and payload -- what the store's limits
+        hold it against.  The header's length does not depend on the checksum, so it is
+        measured without one; a header that cannot be made counts as none here (its own
+        trip fails on it, as ``check`` says)."""
+        payload = self._payloads[index]
+        header = self._headers.get(index)
+        if header is None:
+            try:
+                header = self._context.record_header(self._keys[index], payload, digest=_UNTAKEN)
+            except Exception:  # raised again, in its own trip, by ``check``
+                header = b""
+        return len(header) + payload.nbytes
+
+    def surely_within(self, index: int, limit: int) -> bool:
+        """Whether the value of ``index`` is within ``limit`` bytes whatever its header's
+        length (at most ``HEADER_BOUND``): nothing to measure for nearly every object."""
+        return self._payloads[index].nbytes + HEADER_BOUND <= limit
+
     def ahead(self, indices: Sequence[int]) -> None:
         """Take the headers of ``indices`` now.  One that cannot be made (a header too
         long ...) is left for its own trip to fail on, as it did before: raised here, it
@@ -87,22 +105,22 @@ def write_records(
     batch: Sequence[int],
     upcoming: Sequence[int],
 ) -> list[Any]:
-    """HSET the records ``batch`` indexes (``names[i]``, ``payloads[i]``); the headers of
+    """SET the records ``batch`` indexes (``names[i]``, ``payloads[i]``); the headers of
     ``upcoming`` (the next trip) are taken before this trip's replies are read.  The
-    replies, in order: each an integer, or the store's error reply about that command."""
+    replies, in order: each ``OK``, or the store's error reply about that command."""
     for index in batch:
         headers.check(index)
-    tail = b""
+    end = b""
     for index in batch:
         name, payload = names[index], payloads[index]
-        send(tail + _HSET_PAYLOAD % (len(name), name, payload.nbytes))
-        send(payload)
-        # Taken (when not ahead) while the store reads the payload just sent.
+        # Taken (when not ahead) while the store reads the payload sent just before.
         header = headers.of(index)
-        tail = _HEADER_FIELD % (len(header), header)
-    send(tail)
+        send(end + _SET_RECORD % (len(name), name, len(header) + payload.nbytes) + header)
+        send(payload)
+        end = b"\r\n"
+    send(end)
     headers.ahead(upcoming)
-    return [reader.integer_reply() for _ in batch]
+    return [reader.status_reply() for _ in batch]
 
 
 class RecordTrip:
