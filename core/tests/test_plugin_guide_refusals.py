@@ -78,16 +78,20 @@ def test_a_policy_config_field_without_a_default_is_refused_as_the_guide_says(tm
     assert "so give every field a default" in guide_text()
 
 
-BACKEND_WHOSE_OPEN_RAISES = """
-from lmcache_tiers.plugin import L2AdapterConfig, hookimpl
+#: a backend plugin whose constructor runs ``construct`` and whose plain ``open`` runs
+#: ``open`` (each a statement), registered as ``name``
+BACKEND = """
+import sys
+
+from lmcache_tiers.plugin import FieldError, L2AdapterConfig, hookimpl
 
 
-class Unopened:
+class Failing:
     def __init__(self, config, context):
-        pass
+        {construct}
 
     def open(self):
-        raise RuntimeError("the store refused the session")
+        {open}
 
     def put_many(self, keys, payloads):
         return [False] * len(keys)
@@ -110,8 +114,12 @@ class Unopened:
 
 @hookimpl
 def tiers_register_l2_adapters(registry):
-    registry.add("guide_unopened", Unopened, L2AdapterConfig)
+    registry.add("{name}", Failing, L2AdapterConfig)
 """
+
+BACKEND_WHOSE_OPEN_RAISES = BACKEND.format(
+    name="guide_unopened", construct="pass", open='raise RuntimeError("the store refused the session")'
+)
 
 
 def test_a_plain_backend_whose_open_raises_stops_serve_as_the_guide_says(tmp_path: Path) -> None:

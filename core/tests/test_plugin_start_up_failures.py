@@ -11,49 +11,12 @@ import types
 from pathlib import Path
 
 import pytest
-from test_plugin_guide_refusals import error_line, guide_text, install_flat_plugin, serve
+from test_plugin_guide_refusals import BACKEND, error_line, guide_text, install_flat_plugin, serve
 
 from lmcache_tiers.errors import PluginError
 from lmcache_tiers.plugin import hookimpl
 from lmcache_tiers.plugins import discover
 from lmcache_tiers.registry import call_factory
-
-BACKEND = """
-import sys
-
-from lmcache_tiers.plugin import FieldError, L2AdapterConfig, hookimpl
-
-
-class Failing:
-    def __init__(self, config, context):
-        {construct}
-
-    def open(self):
-        {open}
-
-    def put_many(self, keys, payloads):
-        return [False] * len(keys)
-
-    def contains_many(self, keys):
-        return [None] * len(keys)
-
-    def get_many_into(self, keys, buffers):
-        return [False] * len(keys)
-
-    def delete_many(self, keys):
-        return [False] * len(keys)
-
-    def list_keys(self):
-        return []
-
-    def capacity(self):
-        return None
-
-
-@hookimpl
-def tiers_register_l2_adapters(registry):
-    registry.add("{name}", Failing, L2AdapterConfig)
-"""
 
 
 def serve_failing(site: Path, name: str, *, construct: str = "pass", open: str = "pass") -> tuple[int, str]:

@@ -6,8 +6,7 @@ records.  A local directory has no breaker unless configured."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from fs_helpers import Arena, client, fs_config, load, open_fs, store
 
 from lmcache_tiers.testing.l2 import make_keys, pattern
 from lmcache_tiers.testing.seaweedfs import SeaweedS3, serving
+from lmcache_tiers.testing.threads import wait_until
 
 BUCKET = "tiers-fs-circuit"
 SIZE = 64 << 10
@@ -27,13 +27,6 @@ HANG_GUARD_S = 30.0
 def server(tmp_path: Path) -> Iterator[SeaweedS3]:
     with serving(tmp_path / "seaweedfs", buckets=[BUCKET]) as own:  # its own: this test kills it
         yield own
-
-
-def wait_for(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + HANG_GUARD_S
-    while not condition():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.05)
 
 
 def test_a_store_gone_away_opens_the_default_circuit_and_its_return_closes_it(
@@ -73,7 +66,7 @@ def test_a_store_gone_away_opens_the_default_circuit_and_its_return_closes_it(
         assert stats["circuit_missed_lookup_keys"] == 3 and stats["circuit_skipped_store_keys"] == 2
 
         server.start()
-        wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the probe closed the circuit")
+        wait_until(lambda: not adapter.stats()["circuit_open"], "the probe to close it", HANG_GUARD_S)
         assert adapter.stats()["circuit_closed"] == 1
         assert blocking.lookup_and_lock(keys).found == [True] * 3
         try:
