@@ -982,6 +982,24 @@ class _OneFailingHeaderRead(_FailingHeaderReads):
         ]
 
 
+def _lookup_with_one_header_unreadable(
+    adapter: BackendAdapter, keys: list[ObjectKey], data: list[bytes]
+) -> None:
+    """Look ``keys`` up with the record header of the second unreadable (its segment not
+    answering), then load the hits: the others are hits with their own bytes."""
+    failing = name_of(adapter, keys[1])
+    with wrapped_client(backend_of(adapter), lambda real: _OneFailingHeaderRead(real, failing)):
+        result = BlockingAdapterClient(adapter).lookup_and_lock(keys)
+    hits = [key for key, hit in zip(keys, result.found, strict=True) if hit]
+    ok: list[bool] = []
+    contents: list[bytes] = []
+    if hits:
+        ok, contents = load(adapter, hits, [SIZE] * len(hits))
+        adapter.unlock(hits)
+    assert result.found == [True, False, True], "one unreadable header failed the whole lookup"
+    assert ok == [True, True] and contents == [data[0], data[2]]
+
+
 def test_a_failed_header_read_misses_only_its_key(
     mooncake_pool: LocalCluster, adapters: list[BackendAdapter]
 ) -> None:
@@ -997,16 +1015,7 @@ def test_a_failed_header_read_misses_only_its_key(
     adapters.append(second)
     eventually(lambda: not second.stats()["scan_running"], what="the start-up scan")
     assert second.used_bytes() == 3 * SIZE
-    backend = backend_of(second)
-    failing = name_of(second, keys[1])
-    with wrapped_client(backend, lambda real: _OneFailingHeaderRead(real, failing)):
-        result = BlockingAdapterClient(second).lookup_and_lock(keys)
-    hits = [key for key, hit in zip(keys, result.found, strict=True) if hit]
-    if hits:
-        ok, contents = load(second, hits, [SIZE] * len(hits))
-        second.unlock(hits)
-    assert result.found == [True, False, True], "one unreadable header failed the whole lookup"
-    assert ok == [True, True] and contents == [data[0], data[2]]
+    _lookup_with_one_header_unreadable(second, keys, data)
     assert second.stats()["header_read_failures"] == 1
     assert second.stats()["lookup_size_unknown"] == 1, "core's miss of a size-only answer"
     assert second.stats().get("objects_vanished", 0) == 0, "a failed read taken for a removal"
@@ -1033,16 +1042,7 @@ def test_an_unreadable_header_of_a_key_another_server_stored_misses_only_that_ke
     second = open_adapter(config)
     adapters.append(second)
     assert second.used_bytes() == 0 and second.l1_size_of(keys[1]) is None
-    backend = backend_of(second)
-    failing = name_of(second, keys[1])
-    with wrapped_client(backend, lambda real: _OneFailingHeaderRead(real, failing)):
-        result = BlockingAdapterClient(second).lookup_and_lock(keys)
-    hits = [key for key, hit in zip(keys, result.found, strict=True) if hit]
-    if hits:
-        ok, contents = load(second, hits, [SIZE] * len(hits))
-        second.unlock(hits)
-    assert result.found == [True, False, True], "one unreadable header failed the whole lookup"
-    assert ok == [True, True] and contents == [data[0], data[2]]
+    _lookup_with_one_header_unreadable(second, keys, data)
     stats = second.stats()
     assert stats["header_read_failures"] == 1
     assert stats.get("backend_errors", 0) == 0, "a segment's failed read counted against the pool"
