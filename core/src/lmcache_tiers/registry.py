@@ -101,19 +101,26 @@ def call_factory(factory: Callable[..., Any], what: str, *args: Any) -> Any:
     """``factory(*args)``; any other exception it raises (a plugin's bug, a store it cannot
     reach, a ``sys.exit()``) becomes one PluginError line naming ``what`` (the component
     and its plugin), the original chained for the traceback."""
-    # plugins imports this module: imported here, when a factory is called
+    return call_plugin(lambda: factory(*args), what, "start", FACTORY_ERRORS_KEPT)
+
+
+def call_plugin(call: Callable[[], Any], what: str, doing: str, kept: tuple[type[BaseException], ...]) -> Any:
+    """``call()``, a plugin's code: what it raises is raised as it is when ``kept``, a Ctrl-C
+    or what a stop signal's handler raised (those stop start-up); anything else the
+    plugin raised itself, a ``sys.exit()`` too, becomes one PluginError line: ``what``
+    failed to ``doing``."""
+    # plugins imports this module: imported here, when a plugin is called
     from lmcache_tiers.plugins import plugins_own_failure, signal_handler_codes
 
     stop_handlers = signal_handler_codes()
     try:
-        return factory(*args)
-    except FACTORY_ERRORS_KEPT:
+        return call()
+    except kept:
         raise
     except BaseException as exc:
-        # A Ctrl-C, or what a stop signal's handler raised, stops start-up instead.
         if not plugins_own_failure(exc, stop_handlers):
             raise
-        raise PluginError(f"{what} failed to start: {type(exc).__name__}: {exc}") from exc
+        raise PluginError(f"{what} failed to {doing}: {type(exc).__name__}: {exc}") from exc
 
 
 def _refuse_undecodable_fields(config: type[msgspec.Struct], where: str) -> None:

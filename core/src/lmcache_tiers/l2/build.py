@@ -22,7 +22,7 @@ from lmcache_tiers.l2.circuit import guard_backend
 from lmcache_tiers.l2.context import AdapterContext, BackendContext
 from lmcache_tiers.l2.interface import L2Adapter
 from lmcache_tiers.l2.state import AdapterState
-from lmcache_tiers.registry import Kind, call_factory
+from lmcache_tiers.registry import Kind, call_factory, call_plugin
 from lmcache_tiers.serde import build_serde_chain
 
 if TYPE_CHECKING:
@@ -75,19 +75,12 @@ def create_adapter(
 
 def _opened(made: object, config: L2AdapterConfig, context: BackendContext, what: str) -> L2Adapter:
     """The adapter of backend ``made``, its plain ``open`` run (by BackendAdapter)."""
-    from lmcache_tiers.plugins import plugins_own_failure, signal_handler_codes
-
-    stop_handlers = signal_handler_codes()
-    try:
-        return BackendAdapter(guard_backend(made, config, context), context)
-    except Exception:
-        raise
-    except BaseException as exc:
-        # A sys.exit() in the plugin's open would end serve with its status alone; a
-        # Ctrl-C or what a stop signal's handler raised stops start-up instead.
-        if not plugins_own_failure(exc, stop_handlers):
-            raise
-        raise PluginError(f"{what} failed to open: {type(exc).__name__}: {exc}") from exc
+    # Any Exception of the plugin's open is raised as it is (the adapter names it); a
+    # sys.exit() in it would end serve with its status alone.
+    adapter: L2Adapter = call_plugin(
+        lambda: BackendAdapter(guard_backend(made, config, context), context), what, "open", (Exception,)
+    )
+    return adapter
 
 
 def _adapter_named(facts: AdapterContext, type_name: str, plugin: str) -> str:
