@@ -1059,6 +1059,31 @@ def test_an_object_over_the_query_buffer_limit_is_refused_alone(
     assert any("client-query-buffer-limit" in r.getMessage() for r in caplog.records), "not logged"
 
 
+def test_an_object_over_the_limits_read_is_stored_once_the_store_raised_them(
+    own_server: RedisServer,
+    prefix: str,
+    open_adapter: Callable[..., BackendAdapter],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The limits read at open are 1 MiB; the operator raises them with CONFIG SET.  No
+    # connection drops and no probe runs then, so only the refusal itself can read them
+    # again: an object the store now takes must be stored, not refused for a limit the
+    # store no longer has (the refusal's log line would name that stale limit).
+    own_server.cli("CONFIG", "SET", "client-query-buffer-limit", "1mb")
+    adapter = open_adapter(url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0)
+    keys = make_keys(2)
+    buffers = [memoryview(bytearray(pattern(index, 1 << 20))) for index in range(2)]
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):
+        assert client_of(adapter).store(keys[:1], buffers[:1]) == [False]
+    assert adapter.stats()["store_refused_over_bulk_limit"] == 1
+    own_server.cli("CONFIG", "SET", "client-query-buffer-limit", "1gb")
+    assert client_of(adapter).store(keys[1:], buffers[1:]) == [True]
+    raw = redis.Redis.from_url(own_server.url)
+    assert raw.exists(backend_of(adapter).name_of(keys[1])) == 1
+    assert adapter.stats()["store_refused_over_bulk_limit"] == 1, "refused for a limit raised since"
+    assert load(adapter, keys[1:], [1 << 20]) == ([True], [bytes(buffers[1])])
+
+
 def test_a_store_dropped_after_the_probe_read_the_lowered_limit_refuses_the_object_over_it_alone(
     own_server: RedisServer,
     prefix: str,

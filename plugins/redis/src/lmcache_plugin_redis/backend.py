@@ -1179,11 +1179,18 @@ class RedisBackend:
         """Those of ``indices`` whose values (header and payload) the store takes; each longer than its
         ``proto-max-bulk-len``, or than its ``client-query-buffer-limit`` holds, is
         refused here, counted and logged -- sent, it would make the store close the
-        connection, failing the whole batch."""
-        limits = self._limits
-        limit = limits.longest_value
+        connection, failing the whole batch.  Before refusing, the limits are read again:
+        a limit raised since (``CONFIG SET``) drops no connection and starts no probe, so
+        nothing else would read it, and every such object would stay refused, logged
+        with a limit the store no longer has.  One ``CONFIG GET`` per batch holding such
+        an object, which is not sent."""
+        limit = self._limits.longest_value
         if all(headers.surely_within(index, limit) for index in indices):
             return indices
+        if any(headers.value_length(index) > limit for index in indices):
+            self._read_bulk_limit()
+        limits = self._limits
+        limit = limits.longest_value
         sendable = []
         for index in indices:
             if headers.value_length(index) <= limit:
