@@ -3206,6 +3206,37 @@ def test_a_header_longer_than_the_head_a_lookup_reads_is_read_whole(
 
 
 @pytest.mark.parametrize("mode", ["direct", "pipelined", "cluster"])
+def test_an_empty_string_under_a_records_name_reads_as_no_value(
+    request: pytest.FixtureRequest, prefix: str, open_adapter: Callable[..., BackendAdapter], mode: str
+) -> None:
+    # GETRANGE and STRLEN answer an empty value as they answer a missing name, and GET's
+    # empty reply is taken the same way: a miss, not damage (nothing counted or removed),
+    # as docs/adapters/redis.md says; a store of the key replaces it.
+    adapter, backend, raw = adapter_in_mode(request, prefix, open_adapter, mode)
+    keys = make_keys(2)
+    store(adapter, keys)
+    names = [backend.name_of(key) for key in keys]
+    for name in names:
+        raw.set(name, b"")
+    assert client_of(adapter).lookup_and_lock(keys[:1]).found == [False]
+    assert load(adapter, keys[1:], [4096])[0] == [False]
+    where, _ = shared_store(request, "cluster" if mode == "cluster" else "standalone")
+    listing = open_adapter(**where, key_prefix=prefix, max_capacity_gb=1.0)
+    wait_for(lambda: not listing.stats()["scan_running"], "the start-up scan")
+    assert listing.used_bytes() == 0
+    assert [raw.exists(name) for name in names] == [1, 1], "an empty value is left alone"
+    for counted in (adapter, listing):
+        assert counted.stats().get("corrupt_records_removed", 0) == 0
+        assert counted.stats().get("corrupt_remove_failures", 0) == 0
+    data = store(adapter, keys[:1])
+    assert raw.strlen(names[0]) > 4096, "a store replaces it with a record"
+    found = client_of(adapter).lookup_and_lock(keys[:1])
+    assert found.found == [True]
+    assert load(adapter, keys[:1], found.sizes) == ([True], data)
+    adapter.unlock(keys[:1])
+
+
+@pytest.mark.parametrize("mode", ["direct", "pipelined", "cluster"])
 @pytest.mark.parametrize(
     "value",
     [b"x", b"LMTR" + bytes(60), b"LMTR\x01\x00\x00\x00\xff\x0f\x00\x00" + bytes(60)],
