@@ -616,8 +616,9 @@ class RedisBackend:
         """Read the store's ``proto-max-bulk-len`` and ``client-query-buffer-limit``
         (every primary's in a cluster, the lowest of each kept): a store over either is
         refused before it is sent (``_within_bulk_limit``).  Read at open, by every probe
-        that reaches the store, and after a store's connection failed the way a value
-        over a lowered limit fails it.  A store that does not answer keeps the limits
+        that reaches the store, before an object over the limits last read is refused (a
+        limit raised since), and after a store's connection failed the way a value over a
+        lowered limit fails it.  A store that does not answer keeps the limits
         last read; one that refuses CONFIG GET is assumed to keep Redis's defaults
         (``_say_limits_assumed``)."""
         client = self.client
