@@ -243,7 +243,8 @@ def make_serve(plugin_set: PluginSet) -> Callable[..., None]:
             metavar="SECONDS",
             help="On SIGINT/SIGTERM/SIGHUP: how long in-flight requests are waited for, then again "
             "pending L2 stores, before what is left is abandoned (counted); a second signal, or "
-            "SIGQUIT, stops at once.  Exit status 3 when the stop gave up writes acknowledged "
+            "SIGQUIT, stops at once (a stop a stuck plugin holds up ends 3 s later, or on the "
+            "next signal: exit 1 or 3).  Exit status 3 when the stop gave up writes acknowledged "
             "to clients (even if a front end or the stop failed too: lost data outranks 1), "
             "0 when it lost nothing.",
             rich_help_panel=RPC_PANEL,

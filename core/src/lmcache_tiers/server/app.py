@@ -15,7 +15,8 @@ deadline (:mod:`~lmcache_tiers.server.flush`), the storage is closed (abandoning
 counting, what the flush did not store; this unlinks the L1 segment), HTTP stops and a
 summary is printed.  A step of the close that raises is logged and the others still run
 (:class:`StopFailed`, exit 1; 3 when it lost acknowledged writes).  A second signal, or
-SIGQUIT as the first, cuts the drain and the flush short.  A signal during start-up
+SIGQUIT as the first, cuts the drain and the flush short; a forced stop a stuck thread
+holds up is ended by :mod:`~lmcache_tiers.server.stuck_stop`.  A signal during start-up
 (building L1 and the adapters) interrupts it: what was built is closed, the L1 segment
 unlinked, and the exit code is 128 + the signal's number.
 """
@@ -63,6 +64,7 @@ from lmcache_tiers.server.preflight import (
     preflight,
 )
 from lmcache_tiers.server.priority import request_threads_favoured
+from lmcache_tiers.server.stuck_stop import StuckStopGuard, files_created
 from lmcache_tiers.server.thread_crashes import ThreadCrashes
 from lmcache_tiers.wire import protocol as p
 
@@ -853,8 +855,10 @@ class _StopSignals:
     interrupted at :meth:`attach`.  A second signal interrupts at once (a clean-up that
     hangs).
     Once attached, the first asks the server for a graceful stop (SIGQUIT: a forced one)
-    and any later one forces it.  A signal of :data:`KEPT_IGNORED` the process was started
-    with ignored (``nohup``, a script's background job) stays ignored, and one line says so.
+    and any later one forces it; a forced stop that does not finish is ended by
+    :class:`StuckStopGuard`, which hears the signals without the main thread.  A signal of
+    :data:`KEPT_IGNORED` the process was started with ignored (``nohup``, a script's
+    background job) stays ignored, and one line says so.
     Only the main thread can have handlers: elsewhere (a server run inside a test) signals
     are left as they are.
     """
@@ -872,6 +876,10 @@ class _StopSignals:
         self._notice_thread: threading.Thread | None = None
         # stop signals inherited ignored and left so (KEPT_IGNORED)
         self._kept_ignored: Sequence[int] = ()
+        # the handlers are this process's (run_server on the main thread)
+        self._installed = False
+        # ends the process when a forced stop is held up for good (see stuck_stop)
+        self._guard: StuckStopGuard | None = None
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -887,6 +895,7 @@ class _StopSignals:
         # Said once the server is built (attach): a start-up refused before that stays the
         # one line it is, however whoever started serve left its signals.
         self._kept_ignored = kept_ignored
+        self._installed = True
         self._start_notices()
 
     def _start_notices(self) -> None:
@@ -907,8 +916,33 @@ class _StopSignals:
             raise StartUpInterrupted(self._deferred)
         self._server = server
         self._stop_notices()  # serving: a signal stops the server, none waits
+        if self._installed:
+            self._start_guard(server)
         if self._kept_ignored:
             _log_kept_ignored(self._kept_ignored)
+
+    def _start_guard(self, server: TiersServer) -> None:
+        """The handler runs on the main thread only: a forced stop that thread cannot
+        finish (stuck on a lock a plugin holds) is ended by the guard's own thread.  A
+        guard that cannot start (no descriptor left for its pipe) costs that safety net
+        only, said in the log: the server, built by now, must not be left unclosed."""
+        guard = StuckStopGuard(
+            STOP_SIGNALS,
+            FORCING_SIGNALS,
+            files_created(server.storage, _endpoints(server)),
+            has_l2=bool(server.storage.adapters),
+            pending_l2_stores=lambda: pending_l2_stores(server.storage),
+        )
+        try:
+            guard.start()
+        except Exception as exc:
+            logger.warning(
+                "a stop held up by a stuck thread will not be ended (its guard cannot start: %s: %s)",
+                type(exc).__name__,
+                exc,
+            )
+            return
+        self._guard = guard
 
     def log_deferred(self) -> None:
         """Say that a signal waited for the clean-up of a start-up that failed (logged
@@ -920,6 +954,9 @@ class _StopSignals:
             )
 
     def restore(self) -> None:
+        if self._guard is not None:
+            self._guard.finish()  # the stop is over (or never began): nothing to end
+            self._guard = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
@@ -954,6 +991,18 @@ class _StopSignals:
             return
         self._interrupted = True
         raise StartUpInterrupted(signum)
+
+
+def _endpoints(server: TiersServer) -> list[str]:
+    """The front ends' addresses (a front end is a plugin: one whose ``address`` raises is
+    left out, its ipc socket then left behind by a stop the guard ends)."""
+    addresses = []
+    for frontend in server.frontends:
+        try:
+            addresses.append(frontend.address)
+        except Exception as exc:
+            logger.debug("front end %s: address failed: %s: %s", frontend.name, type(exc).__name__, exc)
+    return addresses
 
 
 def _tell_deferred(read_fd: int) -> None:
