@@ -65,9 +65,10 @@ _GUARD_S = 60.0
 
 
 def _signals_at_default() -> None:
-    """A test run in a script's background inherits SIGINT and SIGQUIT ignored; serve
-    keeps them so, and the SIGQUIT a test sends would then do nothing."""
-    for sig in (signal.SIGINT, signal.SIGQUIT):
+    """A test run in a script's background inherits SIGINT and SIGQUIT ignored, and one
+    run under nohup SIGHUP; serve keeps them so, and the signal a test sends would then
+    do nothing."""
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
 
 
