@@ -64,7 +64,7 @@ from lmcache_tiers.server.preflight import (
     preflight,
 )
 from lmcache_tiers.server.priority import request_threads_favoured
-from lmcache_tiers.server.stuck_stop import StuckStopGuard, files_created
+from lmcache_tiers.server.stuck_stop import EXIT_ACKNOWLEDGED_WRITES_LOST, StuckStopGuard, files_created
 from lmcache_tiers.server.thread_crashes import ThreadCrashes
 from lmcache_tiers.wire import protocol as p
 
@@ -83,14 +83,6 @@ _JOIN_GRACE_S = 5.0
 #: mailbox, the socket's mailbox).  libzmq aborts the process when it cannot create a
 #: poller, so their room is made sure of first, with a margin.
 _FRONTEND_START_DESCRIPTORS = 8
-#: ``serve``'s exit status after a stop that gave up writes acknowledged to clients (the
-#: flush cut short by a second signal, SIGQUIT or its deadline): distinct from 0 (a stop
-#: that lost nothing), 1 (cannot start, a front end failed, or the stop failed), 2 (a
-#: configuration mistake) and 128 + N (signal N interrupted start-up), so that a
-#: supervisor or a script can tell a stop that lost data from a clean one.  It outranks 1:
-#: a front end or a stop step that also failed is in the log and the error line, while
-#: lost data hidden behind a generic failure would go unnoticed by whoever alerts on 3
-EXIT_ACKNOWLEDGED_WRITES_LOST = 3
 
 
 class StopFailed(TiersError):

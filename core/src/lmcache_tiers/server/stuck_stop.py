@@ -14,7 +14,7 @@ the forced stop has not finished :data:`FORCED_STOP_WINDOW_S` after the signal t
 it, or at the next stop signal, the guard ends the process: the L1 segment (or NVMe L1
 file) and the ipc socket files are removed by name, which takes no lock, one line says
 what was left undone, and the exit status is the stop's -- 1 (the stop failed), or 3
-(:data:`~lmcache_tiers.server.app.EXIT_ACKNOWLEDGED_WRITES_LOST`) unless the L2 stores
+(:data:`EXIT_ACKNOWLEDGED_WRITES_LOST`) unless the L2 stores
 still pending could be counted as none.
 """
 
@@ -36,7 +36,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from lmcache_tiers.storage import StorageManager
 
-__all__ = ["FORCED_STOP_WINDOW_S", "CreatedFile", "StuckStopGuard", "files_created"]
+__all__ = [
+    "EXIT_ACKNOWLEDGED_WRITES_LOST",
+    "EXIT_STOP_FAILED",
+    "FORCED_STOP_WINDOW_S",
+    "CreatedFile",
+    "StuckStopGuard",
+    "files_created",
+]
 
 logger = logging.getLogger("lmcache_tiers.server.app")
 
@@ -48,10 +55,17 @@ FORCED_STOP_WINDOW_S = 3.0
 #: how long a step of the ending that may need a lock (counting the pending L2 stores,
 #: writing the log line) is waited for before the process ends without it
 _STEP_WAIT_S = 0.5
-#: exit statuses, as ``run_server`` documents them (kept here: this module must not
-#: import the app, which imports it)
-_EXIT_STOP_FAILED = 1
-_EXIT_ACKNOWLEDGED_WRITES_LOST = 3
+#: the exit status of a stop that failed (``run_server`` documents every status)
+EXIT_STOP_FAILED = 1
+#: ``serve``'s exit status after a stop that gave up writes acknowledged to clients (the
+#: flush cut short by a second signal, SIGQUIT or its deadline, or a stop this module
+#: ended): distinct from 0 (a stop that lost nothing), 1 (cannot start, a front end
+#: failed, or the stop failed), 2 (a configuration mistake) and 128 + N (signal N
+#: interrupted start-up), so that a supervisor or a script can tell a stop that lost data
+#: from a clean one.  It outranks 1: a front end or a stop step that also failed is in the
+#: log and the error line, while lost data hidden behind a generic failure would go
+#: unnoticed by whoever alerts on 3
+EXIT_ACKNOWLEDGED_WRITES_LOST = 3
 
 
 @dataclass(frozen=True)
@@ -239,22 +253,22 @@ class StuckStopGuard:
     def _outcome(self) -> tuple[int, str]:
         """The exit status and what became of the writes acknowledged for L2."""
         if not self._has_l2:
-            return _EXIT_STOP_FAILED, "no L2, no acknowledged write waits for one"
+            return EXIT_STOP_FAILED, "no L2, no acknowledged write waits for one"
         counted: list[int] = []
         _bounded(lambda: counted.append(self._pending_l2_stores()))
         if not counted:
             return (
-                _EXIT_ACKNOWLEDGED_WRITES_LOST,
+                EXIT_ACKNOWLEDGED_WRITES_LOST,
                 "the pending L2 stores could not be counted (a stuck thread holds what that needs); "
                 "acknowledged writes not yet in L2 are lost",
             )
         if counted[0]:
             return (
-                _EXIT_ACKNOWLEDGED_WRITES_LOST,
+                EXIT_ACKNOWLEDGED_WRITES_LOST,
                 f"{counted[0]} L2 stores not waited for; the writes they hold, acknowledged "
                 "to clients, are lost",
             )
-        return _EXIT_STOP_FAILED, "no L2 store was pending"
+        return EXIT_STOP_FAILED, "no L2 store was pending"
 
 
 def _bounded(step: Callable[[], object]) -> None:
