@@ -120,7 +120,13 @@ def call_plugin(call: Callable[[], Any], what: str, doing: str, kept: tuple[type
     except BaseException as exc:
         if not plugins_own_failure(exc, stop_handlers):
             raise
-        raise PluginError(f"{what} failed to {doing}: {type(exc).__name__}: {exc}") from exc
+        raise plugin_failed(what, doing, exc) from exc
+
+
+def plugin_failed(what: str, doing: str, exc: BaseException) -> PluginError:
+    """The one line of a plugin's ``what`` that failed to ``doing`` (start, open) by
+    raising ``exc``; raise it ``from exc``, so the traceback keeps the original."""
+    return PluginError(f"{what} failed to {doing}: {type(exc).__name__}: {exc}")
 
 
 def _refuse_undecodable_fields(config: type[msgspec.Struct], where: str) -> None:

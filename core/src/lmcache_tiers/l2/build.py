@@ -15,14 +15,14 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lmcache_tiers.config import AdapterSpec, FieldError, L2AdapterConfig, decode_adapter_at
-from lmcache_tiers.errors import ConfigError, PluginError, TiersError
+from lmcache_tiers.errors import ConfigError, TiersError
 from lmcache_tiers.l2.adapter import BackendAdapter
 from lmcache_tiers.l2.calls import missing_methods
 from lmcache_tiers.l2.circuit import guard_backend
 from lmcache_tiers.l2.context import AdapterContext, BackendContext
 from lmcache_tiers.l2.interface import L2Adapter
 from lmcache_tiers.l2.state import AdapterState
-from lmcache_tiers.registry import Kind, call_factory, call_plugin
+from lmcache_tiers.registry import Kind, call_factory, call_plugin, plugin_failed
 from lmcache_tiers.serde import build_serde_chain
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ def build_adapter(registry: ComponentRegistry, spec: AdapterSpec, facts: Adapter
         raise ConfigError(f"{what}: {exc} - at `$.l2_adapters[{facts.index}].{exc.field}`") from exc
     except Exception as exc:  # an OSError or ValueError of its constructor, what a plain open raised
         what = _adapter_named(facts, spec.type, component.plugin)
-        raise PluginError(f"{what} failed to start: {type(exc).__name__}: {exc}") from exc
+        raise plugin_failed(what, "start", exc) from exc
 
 
 def open_inner_backend(state: AdapterState, outer: str, raw: Mapping[str, Any], counter_prefix: str) -> Any:
