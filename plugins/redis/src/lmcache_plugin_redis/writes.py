@@ -40,7 +40,7 @@ class RecordHeaders:
     """The record headers of one store call, each taken once: by the trip before its own
     (``ahead``), or by its own trip; a trip sent again after a dropped connection reuses them."""
 
-    __slots__ = ("_context", "_headers", "_keys", "_payloads")
+    __slots__ = ("_context", "_header_lengths", "_headers", "_keys", "_payloads")
 
     def __init__(
         self, context: BackendContext, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]
@@ -49,6 +49,8 @@ class RecordHeaders:
         self._keys = keys
         self._payloads = payloads
         self._headers: dict[int, bytes] = {}
+        #: header lengths measured without a checksum (``value_length``), each once
+        self._header_lengths: dict[int, int] = {}
 
     def of(self, index: int) -> bytes:
         header = self._headers.get(index)
@@ -73,12 +75,16 @@ class RecordHeaders:
         trip fails on it, as ``check`` says)."""
         payload = self._payloads[index]
         header = self._headers.get(index)
-        if header is None:
+        if header is not None:
+            return len(header) + payload.nbytes
+        length = self._header_lengths.get(index)
+        if length is None:
             try:
-                header = self._context.record_header(self._keys[index], payload, digest=_UNTAKEN)
+                length = len(self._context.record_header(self._keys[index], payload, digest=_UNTAKEN))
             except Exception:  # raised again, in its own trip, by ``check``
-                header = b""
-        return len(header) + payload.nbytes
+                length = 0
+            self._header_lengths[index] = length
+        return length + payload.nbytes
 
     def surely_within(self, index: int, limit: int) -> bool:
         """Whether the value of ``index`` is within ``limit`` bytes whatever its header's
