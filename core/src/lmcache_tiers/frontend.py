@@ -206,6 +206,7 @@ def create_frontend(
 ) -> Frontend:
     """Build (and bind) the ``index``-th configured front end over ``storage``."""
     from lmcache_tiers.registry import Kind
+    from lmcache_tiers.start_failures import create_component
 
     host, port = spec.config.address(server)
     context = FrontendContext(
@@ -220,7 +221,12 @@ def create_frontend(
         status=status,
         fatal=fatal,
     )
-    frontend = registry.get(Kind.FRONTEND, spec.type).create(spec.config, context)
+    component = registry.get(Kind.FRONTEND, spec.type)
+    # An OSError is the caller's to explain (the address it cannot listen on).
+    what = f"front end {context.name}: {component.origin}"
+    frontend = create_component(
+        component, what, spec.config, context, path=f"$.frontends[{index}]", kept=(OSError,)
+    )
     if not isinstance(frontend, Frontend):
         # It bound its sockets already: ``join`` is what closes them (a front end that
         # never started), so a refused one does not keep its port for the process's life.

@@ -54,6 +54,11 @@ class Component:
     def qualified_name(self) -> str:
         return f"{self.kind.value}:{self.name}"
 
+    @property
+    def origin(self) -> str:
+        """``eviction_policy:lru from plugin 'lmcache-plugin-eviction-lru'``: how errors name it."""
+        return f"{self.qualified_name} from plugin {self.plugin!r}"
+
     def load(self) -> Callable[..., Any]:
         """Import the factory on first use; a missing dependency becomes a clear error."""
         if self._loaded is not None:
@@ -89,7 +94,7 @@ class Component:
 
     def create(self, *args: Any) -> Any:
         factory = self.load()
-        return call_factory(factory, f"{self.qualified_name} from plugin {self.plugin!r}", *args)
+        return call_factory(factory, self.origin, *args)
 
 
 #: what a factory may raise as it is: core's own errors, an address or path the

@@ -18,6 +18,7 @@ from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.layout import TensorLayout
 from lmcache_tiers.protocols import Serde
 from lmcache_tiers.registry import ComponentRegistry, Kind
+from lmcache_tiers.start_failures import create_component
 
 __all__ = [
     "IdentitySerde",
@@ -82,11 +83,17 @@ class IdentitySerde:
         return data
 
 
-def build_serde_chain(specs: Sequence[SerdeSpec], registry: ComponentRegistry) -> list[Serde]:
-    """Instantiate an adapter's resolved serde specs, in encoding order."""
+def build_serde_chain(
+    specs: Sequence[SerdeSpec], registry: ComponentRegistry, adapter: str = "", path: str = ""
+) -> list[Serde]:
+    """Instantiate an adapter's resolved serde specs, in encoding order (``adapter``: its
+    name, ``path``: where its config sits, for the line of a serde that fails to start)."""
     chain: list[Serde] = []
     for position, spec in enumerate(specs):
-        serde = registry.get(Kind.SERDE, spec.type).create(spec.config)
+        component = registry.get(Kind.SERDE, spec.type)
+        what = f"{adapter + ': ' if adapter else ''}serde[{position}] {component.origin}"
+        where = f"{path}.serde[{position}]" if path else ""
+        serde = create_component(component, what, spec.config, path=where)
         if not isinstance(serde, Serde):
             raise ConfigError(
                 f"serde[{position}] {spec.type!r} built {type(serde).__name__}, which lacks "

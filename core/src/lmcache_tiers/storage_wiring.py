@@ -36,6 +36,7 @@ from lmcache_tiers.l2.interface import L2Adapter
 from lmcache_tiers.policies import EvictionPolicy, PrefetchPolicy, StorePolicy
 from lmcache_tiers.registry import ComponentRegistry, Kind
 from lmcache_tiers.serde import build_serde_chain
+from lmcache_tiers.start_failures import create_component
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +55,9 @@ def build_policy(registry: ComponentRegistry, kind: Kind, name: str) -> Any:
     except Exception as exc:
         # A config Struct that cannot even build its defaults is the plugin's bug.
         raise ConfigError(
-            f"{component.qualified_name} from plugin {component.plugin!r} cannot build its "
-            f"default configuration: {type(exc).__name__}: {exc}"
+            f"{component.origin} cannot build its default configuration: {type(exc).__name__}: {exc}"
         ) from exc
-    return component.create(config)
+    return create_component(component, component.origin, config)
 
 
 def _refuse_with_nvme_l1(name: str, built: object) -> None:
@@ -161,11 +161,12 @@ class StorageParts:
                 logger.exception("discarding controller %s failed", controller.name)
 
     def _build_adapter(self, registry: ComponentRegistry, index: int, spec: AdapterSpec) -> AdapterSlot:
+        name = f"{index}:{spec.type}"
         context = AdapterContext(
             index=index,
-            name=f"{index}:{spec.type}",
+            name=name,
             config=spec.config,
-            serde=build_serde_chain(spec.serde, registry),
+            serde=build_serde_chain(spec.serde, registry, name, f"$.l2_adapters[{index}]"),
             l1_buffer=self.l1.arena.buffer if self.l1.is_memory else None,
             l1_is_memory=self.l1.is_memory,
             l1_capacity=self.l1.capacity_bytes,

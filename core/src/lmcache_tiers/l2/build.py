@@ -22,8 +22,9 @@ from lmcache_tiers.l2.circuit import guard_backend
 from lmcache_tiers.l2.context import AdapterContext, BackendContext
 from lmcache_tiers.l2.interface import L2Adapter
 from lmcache_tiers.l2.state import AdapterState
-from lmcache_tiers.registry import Kind, call_factory, call_plugin, plugin_failed
+from lmcache_tiers.registry import Kind, call_factory, call_plugin
 from lmcache_tiers.serde import build_serde_chain
+from lmcache_tiers.start_failures import named_start_failure
 
 if TYPE_CHECKING:
     from lmcache_tiers.registry import ComponentRegistry
@@ -108,12 +109,9 @@ def build_adapter(registry: ComponentRegistry, spec: AdapterSpec, facts: Adapter
         )
     except TiersError:
         raise  # core's refusals, and a plugin's own, name what they refuse
-    except FieldError as exc:
-        what = _adapter_named(facts, spec.type, component.plugin)
-        raise ConfigError(f"{what}: {exc} - at `$.l2_adapters[{facts.index}].{exc.field}`") from exc
     except Exception as exc:  # an OSError or ValueError of its constructor, what a plain open raised
         what = _adapter_named(facts, spec.type, component.plugin)
-        raise plugin_failed(what, "start", exc) from exc
+        raise named_start_failure(exc, what, f"$.l2_adapters[{facts.index}]") from exc
 
 
 def open_inner_backend(state: AdapterState, outer: str, raw: Mapping[str, Any], counter_prefix: str) -> Any:
@@ -142,7 +140,7 @@ def open_inner_backend(state: AdapterState, outer: str, raw: Mapping[str, Any], 
         made = _made(component.load(), spec.config, context, what)
     except FieldError as exc:
         # the path of the inner spec's value: the outer adapter's would name another
-        raise ConfigError(f"{what}: {exc} - at `{where}.{exc.field}`") from exc
+        raise named_start_failure(exc, what, where) from exc
     if isinstance(made, L2Adapter):
         _discard(made)
         raise ConfigError(f"{outer} wraps L2 backends; {spec.type!r} builds a complete adapter")
