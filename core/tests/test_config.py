@@ -69,6 +69,17 @@ def test_serde_chain_is_resolved(registry: ComponentRegistry) -> None:
         ("{not json", r"--l2-adapter #1 is not valid JSON"),
         ('{"type": "dmeo"}', r"unknown l2 adapter 'dmeo': did you mean 'demo'\? installed: (.*, )?demo\b"),
         ('{"size_gb": 1}', r"missing required field `type`"),
+        # not read as the text "None" or "1": the value given is named as it was written
+        (
+            '{"type": null}',
+            r"^`type` must be a string naming an installed l2 adapter, got null "
+            r".* at `\$\.l2_adapters\[0\]\.type`$",
+        ),
+        ('{"type": 1}', r"^`type` must be a string .*, got 1 "),
+        (
+            '{"type": "demo", "serde": [{"type": ["zdemo"]}]}',
+            r"installed serde, got list .* at `\$\.l2_adapters\[0\]\.serde\[0\]\.type`$",
+        ),
         (
             '{"type": "demo", "size_gb": -1}',
             r"demo: Expected `float` > 0.* at `\$\.l2_adapters\[0\]\.size_gb`",

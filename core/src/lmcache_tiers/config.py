@@ -564,6 +564,16 @@ def decode_component(
         raise ConfigError(f"{where}: expected a JSON object, got {type(raw).__name__}")
     if "type" not in raw:
         raise ConfigError(f"{where}: missing required field `type`")
+    if not isinstance(raw["type"], str):
+        # Read as text, null would be refused as an unknown component named 'None'.
+        value = raw["type"]
+        shown = (
+            json.dumps(value) if value is None or isinstance(value, (int, float)) else type(value).__name__
+        )
+        raise ConfigError(
+            f"`type` must be a string naming an installed {kind.value.replace('_', ' ')}, got {shown} "
+            f"(`lmcache-tiers plugins list`) - at `{where}.type`"
+        )
     try:
         component = registry.get(kind, str(raw["type"]))
     except ConfigError as exc:
