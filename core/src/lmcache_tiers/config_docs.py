@@ -145,6 +145,26 @@ def _markdown_table(struct: type[msgspec.Struct], flags: dict[str, list[str]] | 
     return lines
 
 
+#: where the configuration names a policy of each kind: by name only, so a policy's own
+#: options keep their defaults (the reference must not read as if they could be set)
+_POLICY_NAMED_BY: dict[Kind, str] = {
+    Kind.EVICTION_POLICY: "`--eviction-policy` and an adapter's `eviction.eviction_policy`",
+    Kind.STORE_POLICY: "`--l2-store-policy`",
+    Kind.PREFETCH_POLICY: "`--l2-prefetch-policy`",
+}
+
+
+def policy_options_note(kind: Kind) -> str:
+    """For a policy kind: the sentence saying its options run at their defaults; else ""."""
+    named_by = _POLICY_NAMED_BY.get(kind)
+    if named_by is None:
+        return ""
+    return (
+        f"These options run at their defaults: {named_by} name the policy only, "
+        "and no flag, `--config` key or adapter field sets them."
+    )
+
+
 def _lmcache_refusals(config_type: type) -> str:
     """The LMCache fields a component refuses for reasons of its own, one sentence."""
     own: dict[str, str] = getattr(config_type, "lmcache_unsupported", {})
@@ -251,4 +271,7 @@ def _component_section(component: Component, claimants: list[Component] | None) 
         fields = _markdown_table(component.config)
     except UndescribedConfigError as exc:
         fields = [f"Options cannot be listed: {exc}."]
-    return out + (fields if len(fields) != 2 else ["No options."]) + [""]
+    if len(fields) == 2:  # the header alone
+        return [*out, "No options.", ""]
+    note = policy_options_note(component.kind)
+    return [*out, *([note, ""] if note else []), *fields, ""]
