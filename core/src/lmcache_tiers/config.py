@@ -339,7 +339,10 @@ class ServerConfig(ComponentConfig):
     no_shm: Annotated[bool, _doc("Do not offer the shared-memory data plane; bytes travel inline.")] = False
     gds_l1_path: Annotated[
         str | None,
-        _doc("Directory for an NVMe-backed L1 (a file of blocks) instead of CPU memory; null = memory."),
+        _doc(
+            "Directory for an NVMe-backed L1 (a file of blocks) instead of CPU memory; null = memory. "
+            "That L1 has no shared-memory segment: serve refuses an l1_shm_name or l1_shm_dir given with it."
+        ),
     ] = None
     gds_l1_use_direct_io: Annotated[
         bool, _doc("Open the NVMe L1 file with O_DIRECT (bypass the page cache).")

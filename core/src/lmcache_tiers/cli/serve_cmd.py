@@ -473,6 +473,24 @@ def _default_l2_error(exc: ConfigError) -> ConfigError:
     )
 
 
+def refuse_segment_settings_with_nvme_l1(config: ServerConfig, explicit: Iterable[str]) -> None:
+    """An NVMe L1 (``gds_l1_path``) is a file, with no shared-memory segment: a segment
+    name, or a segment directory given (``explicit``: the fields a flag or the ``--config``
+    file set), would be ignored without a word.  ConfigError naming the field."""
+    if config.gds_l1_path is None:
+        return
+    if config.l1_shm_name is not None:
+        field, value = "l1_shm_name", config.l1_shm_name
+    elif "l1_shm_dir" in explicit:
+        field, value = "l1_shm_dir", config.l1_shm_dir
+    else:
+        return
+    raise ConfigError(
+        f"{field} {value!r} is for an L1 in shared memory, but gds_l1_path {config.gds_l1_path!r} "
+        f"puts L1 in a file, which has no segment; drop one of the two - at `$.{field}`"
+    )
+
+
 def warn_unused_broken_plugins(plugin_set: PluginSet) -> None:
     """One line per broken plugin once the configuration resolved without it.
 
@@ -519,6 +537,7 @@ def run_serve(
             plugin_set.registry.get(Kind.L2_ADAPTER, spec["type"])
     try:
         resolved = build_config(plugin_set.registry, file_values, overrides, adapters, params["frontend"])
+        refuse_segment_settings_with_nvme_l1(resolved, [*overrides, *file_values])
         if uses_default_l2 and not params["print_config"]:
             if file_values["l2_adapters"]:
                 # A second default server gets a hint, not the directory-lock refusal the
