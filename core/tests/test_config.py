@@ -442,3 +442,21 @@ def test_wrappers_nested_too_deeply_are_one_config_error(source: str) -> None:
 def _deep_json(depth: int) -> str:
     # json.dumps recurses as well: written out
     return '{"type": "wrap", "inner": ' * depth + '{"type": "demo"}' + "}" * depth
+
+
+@pytest.mark.parametrize(
+    ("overrides", "frontend", "path"),
+    [
+        ({"host": ""}, None, r"\$\.host"),
+        ({}, '{"type": "native", "host": ""}', r"\$\.frontends\[0\]\.host"),
+    ],
+)
+def test_an_empty_listening_host_is_refused(
+    overrides: dict[str, Any], frontend: str | None, path: str
+) -> None:
+    """ "" names no address: libzmq would refuse to bind it once the server is built, as a
+    failure of the port."""
+    registry = discover({}).registry
+    with pytest.raises(ConfigError, match=rf"Expected `str` of length >= 1 - at `{path}`$"):
+        build_config(registry, overrides=overrides, frontend_json=[frontend] if frontend else None)
+    assert build_config(registry, overrides={"host": "*"}).host == "*"

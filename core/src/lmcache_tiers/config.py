@@ -236,7 +236,9 @@ class FrontendConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_
     """Options every front end accepts; front-end plugins subclass this Struct."""
 
     host: Annotated[
-        str | None, Meta(description="Address to listen on (or an ipc:// endpoint); null: --host.")
+        # "" is no address: libzmq refuses to bind it only once the server is built
+        Annotated[str, Meta(min_length=1)] | None,
+        Meta(description="Address to listen on (or an ipc:// endpoint); null: --host."),
     ] = None
     port: Annotated[
         Annotated[int, Meta(ge=0, le=65535)] | None, Meta(description="Port to listen on; null: --port.")
@@ -275,9 +277,11 @@ def _doc(text: str, **constraints: Any) -> Meta:
 class ServerConfig(ComponentConfig):
     """Everything ``lmcache-tiers serve`` runs with; flag names follow LMCache's server."""
 
-    host: Annotated[str, _doc("Address the RPC server binds to; non-loopback needs auth_token.")] = (
-        "127.0.0.1"
-    )
+    host: Annotated[
+        str,
+        # "" is no address: libzmq refuses to bind it only once the server is built
+        _doc("Address the RPC server binds to; non-loopback needs auth_token.", min_length=1),
+    ] = "127.0.0.1"
     port: Annotated[int, _doc("RPC port (ZeroMQ ROUTER).", ge=0, le=65535)] = 5555
     chunk_size: Annotated[int, _doc("Tokens per KV chunk; keys hash full chunks only.", gt=0)] = 256
     l1_size_gb: Annotated[SizeGiB, _doc("Size of the L1 CPU-memory arena in GiB.", gt=0.0)] = 1.0
