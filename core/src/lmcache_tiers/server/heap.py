@@ -3,8 +3,9 @@ later collection.
 
 Start-up (imports, plugin discovery, configuration, adapters scanning their stores) leaves
 hundreds of thousands of long-lived objects behind.  Each full collection of CPython's
-cyclic garbage collector walks all of them, which held the GIL for 15-60 ms in the
-measurements (docs/internals.md, "Write-back"), long enough to be a request's p99 on its own.  Frozen
+cyclic garbage collector walks all of them, which held the GIL for 14-60 ms in the
+measurements (docs/internals.md, the paragraph on the serving process's frozen heap),
+long enough to be a request's p99 on its own.  Frozen
 (``gc.freeze``) they are never walked again, while objects created afterwards are
 collected as before.  They are unfrozen before the server closes, so garbage cycles
 holding L1 views (which L1's close collects) are found again.
