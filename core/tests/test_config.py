@@ -460,3 +460,13 @@ def test_an_empty_listening_host_is_refused(
     with pytest.raises(ConfigError, match=rf"Expected `str` of length >= 1 - at `{path}`$"):
         build_config(registry, overrides=overrides, frontend_json=[frontend] if frontend else None)
     assert build_config(registry, overrides={"host": "*"}).host == "*"
+
+
+def test_an_empty_auth_token_is_refused(registry: ComponentRegistry) -> None:
+    """ "" would be read as no token: on loopback the server would start without
+    authentication although one was asked for (``--auth-token "$UNSET"``)."""
+    with pytest.raises(ConfigError, match=r"^auth_token is empty, .* - at `\$\.auth_token`$"):
+        build_config(registry, overrides={"auth_token": ""})
+    with pytest.raises(ConfigError, match=r" - at `\$\.auth_token`$"):
+        build_config(registry, {"auth_token": ""})
+    assert build_config(registry, overrides={"auth_token": "s3cret"}).auth_token == "s3cret"

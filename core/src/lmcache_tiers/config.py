@@ -361,6 +361,14 @@ class ServerConfig(ComponentConfig):
                 f"chunk_size {self.chunk_size} does not fit the 64-bit integer the protocols carry "
                 f"it in (at most {_MAX_WIRE_INT}); LMCache's default is 256",
             )
+        if self.auth_token == "":
+            # Read as "no token" (an unset variable expanded on a command line): on loopback
+            # the server would start without authentication, unsaid.
+            raise FieldError(
+                "auth_token",
+                "auth_token is empty, which authenticates nothing: give the secret, or leave "
+                "auth_token out to serve without one (loopback only)",
+            )
         name = self.l1_shm_name
         if name == "":
             raise FieldError(
