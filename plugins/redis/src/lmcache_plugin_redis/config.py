@@ -176,6 +176,10 @@ class RedisConfig(L2AdapterConfig):
             )
         if self.port is not None and self.host is None:
             raise FieldError("port", "port goes with host")
+        if self.host is not None and not self.host.strip():
+            # No address (an unset variable expanded into the JSON): the adapter would start
+            # and wait for ever for a store it cannot name, as LMCache refuses it.
+            raise FieldError("host", "host is empty: give the store's address")
         if self.host is not None and "@" in self.host:
             # Like a startup node: a host named "user:password@host" is shown everywhere.
             raise FieldError(
