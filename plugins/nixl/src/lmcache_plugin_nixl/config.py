@@ -147,8 +147,10 @@ class _NixlBase(L2AdapterConfig):
         dict[str, str | bool | int | float],
         msgspec.Meta(
             description=(
-                "String options: file_path and use_direct_io for file backends (plus "
-                "max_capacity_gb and shard_dirs for nixl_store_dynamic); other keys go to NIXL. "
+                "String options. File backends need file_path (the directory) and use_direct_io "
+                '("true" or "false"); nixl_store_dynamic also needs max_capacity_gb (GiB) and '
+                'takes shard_dirs (default "false"). Other keys go to NIXL (AZURE_BLOB needs '
+                "account_url or connection_string, and container_name). "
                 'Bare JSON numbers and booleans are taken as their string form ("10", "false"), '
                 "as LMCache does."
             )
