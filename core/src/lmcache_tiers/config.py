@@ -800,7 +800,7 @@ def build_config(
     for key, value in file_fields(file_values or {}).items():
         if key in raw_lists:
             if not isinstance(value, list):
-                raise ConfigError(f"`$.{key}` must be a list of tables")
+                raise ConfigError(f"expected a list of tables (`[[{key}]]`) - at `$.{key}`")
             raw_lists[key] = list(value)
         else:
             values[key] = value

@@ -473,6 +473,18 @@ def _default_l2_error(exc: ConfigError) -> ConfigError:
     )
 
 
+def _file_values(path: str) -> dict[str, Any]:
+    """The ``--config`` file's top-level keys as field names (its key errors say "config
+    field"); a list of adapters or front ends that is no list is refused naming the file."""
+    fields = file_fields(load_toml(path))
+    for key in ("l2_adapters", "frontends"):
+        # Checked here, where the file is known: a flag may replace the list later, and an
+        # error about it would then name neither.
+        if key in fields and not isinstance(fields[key], list):
+            raise ConfigError(f"--config {path}: expected a list of tables (`[[{key}]]`) - at `$.{key}`")
+    return fields
+
+
 def refuse_segment_settings_with_nvme_l1(config: ServerConfig, explicit: Iterable[str]) -> None:
     """An NVMe L1 (``gds_l1_path``) is a file, with no shared-memory segment: a segment
     name, or a segment directory given (``explicit``: the fields a flag or the ``--config``
@@ -521,7 +533,7 @@ def run_serve(
     # Keys as field names first (a file may write `[[l2-adapters]]`), so that the default L2
     # is added only where the file has no adapters of its own.
     # An empty --config (an unset variable) is a missing file, not "no file".
-    file_values = file_fields(load_toml(params["config"])) if params["config"] is not None else {}
+    file_values = _file_values(params["config"]) if params["config"] is not None else {}
     adapters = params["l2_adapter"]
     replaced = [name for name, flag in (("l2_adapters", adapters), ("frontends", params["frontend"])) if flag]
     config_file = ConfigFile.of(params["config"], file_values, replaced)
