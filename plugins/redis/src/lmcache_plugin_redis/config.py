@@ -162,11 +162,23 @@ class RedisConfig(L2AdapterConfig):
         _doc("Payload bytes per pipelined round trip; bounds the replies a batch has waiting.", ge=1 << 16),
     ] = 8 << 20
     max_capacity_gb: Annotated[
-        SizeGiB, _doc("Bytes this server may store, in GiB; 0: no limit of lmcache-tiers' own.", ge=0.0)
+        SizeGiB,
+        _doc(
+            "Bytes this server may store, in GiB; 0: no limit of lmcache-tiers' own. Required for eviction.",
+            ge=0.0,
+        ),
     ] = 0.0
 
     def __post_init__(self) -> None:
         check_size_gib("max_capacity_gb", self.max_capacity_gb)
+        if self.eviction is not None and self.max_capacity_gb == 0:
+            # Usage is -1 without a capacity of this server's own: the eviction block would
+            # never run, and the store would fill up to its maxmemory policy instead.
+            raise FieldError(
+                "eviction",
+                "L2 eviction needs max_capacity_gb > 0 (it is what eviction keeps under; 0 leaves "
+                "capacity to the store's maxmemory policy)",
+            )
         given = [name for name in ("url", "host", "startup_nodes") if getattr(self, name) is not None]
         if not given:
             raise FieldError("url", "set one of url (redis://host:port), host or startup_nodes")
