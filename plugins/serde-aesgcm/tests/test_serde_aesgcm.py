@@ -311,6 +311,19 @@ def test_key_environment_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     assert KEY.hex()[:40] not in str(raised.value)
 
 
+def test_an_environment_key_error_names_only_the_encodings_a_variable_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A variable is read as hex or base64 only: its refusal must not invite 32 raw bytes,
+    which a variable cannot hold (no NUL) and which would be refused again."""
+    monkeypatch.setenv(ENV, "x" * 32)
+    with pytest.raises(
+        ConfigError, match="expected 64 hex digits or base64 of 32 bytes; found 32 characters"
+    ) as raised:
+        _serde()
+    assert "raw bytes" not in str(raised.value)
+
+
 def test_config_needs_exactly_one_key_source() -> None:
     for fields in ({}, {"key_file": "/k", "key_env": ENV}):
         with pytest.raises(msgspec.ValidationError, match="exactly one of key_file or key_env"):

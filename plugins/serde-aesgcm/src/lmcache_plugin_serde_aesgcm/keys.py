@@ -19,7 +19,9 @@ log = logging.getLogger("lmcache_tiers.serde.aesgcm")
 KEY_SIZE = 32
 #: a key file larger than this is certainly not a key (and is not read whole)
 _MAX_KEY_FILE = 4096
-_EXPECTED = "32 raw bytes, 64 hex digits or base64 of 32 bytes"
+#: what each source may hold, as its refusal says: a variable cannot hold raw bytes (NUL)
+_EXPECTED_IN_FILE = "32 raw bytes, 64 hex digits or base64 of 32 bytes"
+_EXPECTED_IN_VARIABLE = "64 hex digits or base64 of 32 bytes"
 
 
 def _from_text(text: bytes) -> bytes | None:
@@ -45,9 +47,9 @@ def is_key_itself(text: str) -> bool:
     return _from_text(text.encode("utf-8", "replace")) is not None
 
 
-def _checked(key: bytes | None, where: str, found: str) -> bytes:
+def _checked(key: bytes | None, where: str, found: str, expected: str = _EXPECTED_IN_FILE) -> bytes:
     if key is None:
-        raise ConfigError(f"aesgcm: {where} holds no 256-bit key (expected {_EXPECTED}; found {found})")
+        raise ConfigError(f"aesgcm: {where} holds no 256-bit key (expected {expected}; found {found})")
     if key == bytes(KEY_SIZE):
         raise ConfigError(f"aesgcm: {where} holds an all-zero key; generate one with `openssl rand -hex 32`")
     return key
@@ -99,4 +101,5 @@ def read_key_env(name: str, field: str = "key_env") -> bytes:
     value = os.environ.get(name)
     if value is None:
         raise ConfigError(f"aesgcm: {where} is not set")
-    return _checked(_from_text(value.encode("utf-8", "replace")), where, f"{len(value.strip())} characters")
+    key = _from_text(value.encode("utf-8", "replace"))
+    return _checked(key, where, f"{len(value.strip())} characters", _EXPECTED_IN_VARIABLE)
