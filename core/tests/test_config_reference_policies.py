@@ -4,6 +4,9 @@ configuration names a policy, never its options, so a table alone would read as 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -56,3 +59,14 @@ def test_other_kinds_get_no_note() -> None:
     assert policy_options_note(Kind.L2_ADAPTER) == ""
     assert policy_options_note(Kind.SERDE) == ""
     assert policy_options_note(Kind.FRONTEND) == ""
+
+
+@pytest.mark.parametrize(("name", "has_options"), [("PREFIX_LFU", True), ("LRU", False)])
+def test_plugins_show_says_so_too(name: str, has_options: bool) -> None:
+    command = [sys.executable, "-m", "lmcache_tiers.cli.main", "plugins", "show", name]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, env=dict(os.environ, COLUMNS="120")
+    )
+    assert result.returncode == 0, result.stderr
+    shown = " ".join(result.stdout.split())  # the note wraps at the terminal's width
+    assert (policy_options_note(Kind.EVICTION_POLICY) in shown) is has_options, shown

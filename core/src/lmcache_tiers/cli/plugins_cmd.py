@@ -16,6 +16,7 @@ from lmcache_tiers.config_docs import (
     UndescribedConfigError,
     component_doc,
     component_fields,
+    policy_options_note,
     render_config_reference,
 )
 from lmcache_tiers.plugins import load_plugins
@@ -119,6 +120,10 @@ def show(name: str = typer.Argument(..., help="A plugin name, or a component as 
                 # text, not markup: `list[object]` keeps its `[object]`
                 table.add_row(*(escape(cell) for cell in field))
             stdout.print(table)
+            # Listed as options, yet no setting reaches them: say so, as the reference does.
+            note = policy_options_note(component.kind)
+            if note:
+                stdout.print(note, markup=False)
         elif fields is not None:
             stdout.print(f"[italic]{escape(title)}[/]\nno options", markup=True)
         doc = component_doc(component)
