@@ -233,6 +233,19 @@ def test_usage_errors_are_one_line_with_exit_code_2() -> None:
             "2",
         ): "error: --eviction-ratio: Expected `float` <= 1.0 - at `$.eviction_ratio`",
         ("serve", "--print-config", "--host", "0.0.0.0"): "requires --auth-token",
+        # the HTTP endpoint's own address, named by its flag
+        (
+            "serve",
+            "--print-config",
+            "--metrics-host",
+            "0.0.0.0",
+        ): "error: --metrics-host 0.0.0.0: serving HTTP on it",
+        (
+            "serve",
+            "--print-config",
+            "--metrics-host",
+            "",
+        ): "error: --metrics-host: Expected `str` of length >= 1",
         ("serve", "--config", "/nonexistent.toml"): "config file '/nonexistent.toml' does not exist",
         ("plugins", "show", "nope"): "error: no plugin or component named 'nope'",
         ("status", "--max-workers", "2"): "error: No such option: --max-workers",

@@ -332,7 +332,7 @@ class ServerConfig(ComponentConfig):
         ),
     ] = 10.0
     metrics_host: Annotated[
-        str, _doc("Address the HTTP endpoint (/metrics, /healthz, /status) binds to.")
+        str, _doc("Address the HTTP endpoint (/metrics, /healthz, /status) binds to.", min_length=1)
     ] = "127.0.0.1"
     metrics_port: Annotated[
         int, _doc("HTTP port for /metrics, /healthz, /status; 0 disables.", ge=0, le=65535)

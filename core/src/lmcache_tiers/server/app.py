@@ -107,13 +107,15 @@ def check_metrics_host(config: ServerConfig, token: str | None) -> None:
     if not config.metrics_port:
         return
     host = config.metrics_host
+    # Refused as the setting (serve names the flag that gave it, --metrics-host).
     if "://" in host:
-        raise ConfigError(f"metrics_host {host!r}: give an address or name (HTTP does not serve on {host})")
+        raise SettingRefused("metrics_host", host, f"give an address or name (HTTP does not serve on {host})")
     if not is_loopback(host) and not token:
-        raise ConfigError(
-            f"serving HTTP on {host} (not loopback) requires --auth-token, {AUTH_TOKEN_ENV} "
-            "or auth_token in --config: "
-            "/status answers only requests that carry it"
+        raise SettingRefused(
+            "metrics_host",
+            host,
+            f"serving HTTP on it (not loopback) requires --auth-token, {AUTH_TOKEN_ENV} or auth_token "
+            "in --config: /status answers only requests that carry it",
         )
 
 
