@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from lmcache_tiers.testing.server import ServerHarness
 SHAPE = (2, 4, 256, 64)
 CHUNKS = 3
 KEYS = prefix_keys(list(range(CHUNKS * 256)), 256, model_name="m", kv_rank=0x01000100)
+DOC = Path(__file__).resolve().parents[3] / "docs" / "serde.md"
 
 
 def _key_file(directory: Path, name: str, key: bytes) -> str:
@@ -110,3 +112,14 @@ def test_a_record_encrypted_under_another_key_is_a_counted_miss(tmp_path: Path) 
     chunks, _ = _read(root, [{"type": "aesgcm", "key_file": first}])
     assert len(chunks) == CHUNKS
     assert all(torch.equal(got, want) for got, want in zip(chunks, tensors, strict=True))
+
+
+def test_the_serde_doc_names_the_counter_and_the_fate_of_a_record_of_another_chain() -> None:
+    """An operator who changed a chain looks for the counter the test above checks, and
+    must learn the records stay (the old chain reads them again)."""
+    text = " ".join(DOC.read_text().split())
+    section = text.split("### Changing a chain when data is already stored", 1)[1].split(
+        "Options *within*", 1
+    )[0]
+    assert re.search(r"a miss, counted as `serde_chain_mismatch`", section)
+    assert "the record is kept" in section
