@@ -286,6 +286,17 @@ def test_a_default_l2_directory_that_cannot_be_probed_fails_no_other_command(
     )
 
 
+def test_a_default_l2_directory_on_a_filesystem_of_no_size_is_named_as_such() -> None:
+    # /proc: a share of its 0 bytes was a capacity of 0, refused as a max_capacity_gb nobody set
+    served = run_cli(["serve", "--print-config"], LMCACHE_TIERS_CACHE_DIR="/proc/lmcache-tiers")
+    assert served.returncode == 2 and "Traceback" not in served.stderr
+    assert served.stderr.startswith(
+        "error: the embedded default L2 in /proc/lmcache-tiers/l2 cannot be used (/proc/lmcache-tiers/l2 "
+        "is on a filesystem of 0 bytes, not a disk); point LMCACHE_TIERS_CACHE_DIR at a writable"
+    ), served.stderr
+    assert "max_capacity_gb" not in served.stderr
+
+
 def test_plugins_show_lists_the_components_of_a_plugin_whose_only_failure_was_its_commands(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

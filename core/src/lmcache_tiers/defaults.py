@@ -67,7 +67,8 @@ def _filesystem_size(directory: Path) -> int | None:
 
 
 def default_capacity_gb(directory: Path | None = None) -> tuple[float, str]:
-    """The default L2's capacity in GiB and how it was chosen (for the banner)."""
+    """The default L2's capacity in GiB and how it was chosen (for the banner); OSError
+    for a directory on a filesystem of no size."""
     raw = os.environ.get(CACHE_GB_ENV)
     if raw:
         try:
@@ -81,7 +82,12 @@ def default_capacity_gb(directory: Path | None = None) -> tuple[float, str]:
                 f"{CACHE_GB_ENV}={raw!r} must be a positive number of GiB, at most {MAX_GIB:.0f}"
             )
         return value, f"set by {CACHE_GB_ENV}"
-    size = _filesystem_size(directory or default_l2_dir())
+    where = directory or default_l2_dir()
+    size = _filesystem_size(where)
+    if size == 0:
+        # /proc, /sys: a share of nothing is a capacity of 0, which eviction would refuse
+        # as the operator's max_capacity_gb, a field no operator of the default set.
+        raise OSError(f"{where} is on a filesystem of 0 bytes, not a disk")
     cap = float(DEFAULT_L2_CAPACITY_GB)
     if size is not None and size * DEFAULT_L2_DISK_FRACTION < cap * _GIB:
         share = size * DEFAULT_L2_DISK_FRACTION / _GIB
