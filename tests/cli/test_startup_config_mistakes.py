@@ -139,7 +139,15 @@ def test_dashed_l2_adapters_in_a_config_file_are_not_replaced_by_the_default_l2(
     assert [f["type"] for f in resolved["frontends"]] == ["native"]
     config.write_text('[[l2-adapters]]\ntype = "mock"\n\n[[l2_adapters]]\ntype = "mock"\n')
     line = serve_refused(["--config", str(config)])
-    assert line == "error: config field `$.l2_adapters` is given twice (as `l2-adapters` and `l2_adapters`)"
+    assert line == (
+        f"error: --config {config}: config field `$.l2_adapters` is given twice "
+        "(as `l2-adapters` and `l2_adapters`)"
+    )
+    config.write_text("l1_size_gbb = 1\n")
+    assert (
+        serve_refused(["--config", str(config)])
+        == f"error: --config {config}: unknown config field `$.l1_size_gbb`"
+    )
 
 
 def test_a_shutdown_timeout_no_stop_can_wait_is_refused_before_start() -> None:

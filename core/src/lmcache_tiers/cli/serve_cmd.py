@@ -476,7 +476,11 @@ def _default_l2_error(exc: ConfigError) -> ConfigError:
 def _file_values(path: str) -> dict[str, Any]:
     """The ``--config`` file's top-level keys as field names (its key errors say "config
     field"); a list of adapters or front ends that is no list is refused naming the file."""
-    fields = file_fields(load_toml(path))
+    values = load_toml(path)  # (its errors name the file)
+    try:
+        fields = file_fields(values)
+    except ConfigError as exc:  # a key of the file's own: its name says where to look
+        raise ConfigError(f"--config {path}: {exc}") from None
     for key in ("l2_adapters", "frontends"):
         # Checked here, where the file is known: a flag may replace the list later, and an
         # error about it would then name neither.
