@@ -46,10 +46,13 @@ def _unavailable() -> str | None:
 
 @contextmanager
 def loop_device(
-    size: int = DEVICE_BYTES, sector_size: int | None = None, directory: str | None = None
+    size: int = DEVICE_BYTES,
+    sector_size: int | None = None,
+    directory: str | None = None,
+    read_only: bool = False,
 ) -> Iterator[str]:
     """A loop device over a fresh sparse file (in ``directory``, default a new temporary
-    one); detached and removed afterwards."""
+    one; ``read_only``: attached read-only); detached and removed afterwards."""
     reason = _unavailable()
     if reason is not None:
         pytest.skip(reason)
@@ -60,6 +63,8 @@ def loop_device(
     command = ["losetup", "--find", "--show"]
     if sector_size is not None:
         command += ["--sector-size", str(sector_size)]
+    if read_only:
+        command.append("--read-only")
     attached = subprocess.run([*command, str(backing)], capture_output=True, text=True)
     if attached.returncode != 0:
         shutil.rmtree(directory, ignore_errors=True)
@@ -119,6 +124,20 @@ def test_a_device_held_exclusively_by_another_opener_is_refused() -> None:
             os.close(holder)
         RawBlockBackend.preflight(cfg)  # free again: the pre-flight let its own claim go
         open_raw(cfg).close()
+
+
+def test_a_read_only_device_is_refused_before_anything_is_written() -> None:
+    """The kernel lets a read-only block device be opened for writing and fails only the
+    writes (EPERM): the device is refused by name, by the pre-flight and by the open."""
+    with loop_device(read_only=True) as device:
+        cfg = RawBlockConfig(device_path=device, slot_bytes=1 << 20)
+        refusal = f"{device} is a read-only block device; make it writable (blockdev --setrw) or name another"
+        with pytest.raises(FieldError) as caught:
+            RawBlockBackend.preflight(cfg)
+        assert (caught.value.field, str(caught.value)) == ("device_path", refusal)
+        with pytest.raises(ConfigError) as opened:
+            open_raw(cfg)
+        assert str(opened.value) == f"raw_block: {refusal}"
 
 
 def test_the_file_behind_a_loop_device_in_use_is_refused_and_the_other_way_round() -> None:

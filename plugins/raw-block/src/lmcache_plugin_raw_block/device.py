@@ -33,6 +33,7 @@ from lmcache_tiers.plugin import ConfigError
 log = logging.getLogger(__name__)
 
 _BLKSSZGET = 0x1268  # ioctl: logical block size of a block device
+_BLKROGET = 0x125E  # ioctl: whether a block device is read-only
 _NAME = "raw_block"
 #: why an exclusive open of a block device fails with EBUSY
 _HELD = "it is in use (mounted, or held by another program)"
@@ -114,6 +115,36 @@ def preflight_device(config: RawBlockConfig) -> None:
     probe_loop_backing_file(path, "device_path", _NAME)
     if _held_exclusively(path):
         raise FieldError("device_path", f"cannot open {path}: {_HELD}")
+    if _read_only_device(path):
+        raise FieldError("device_path", _read_only(path))
+
+
+def _read_only(path: str) -> str:
+    return f"{path} is a read-only block device; make it writable (blockdev --setrw) or name another"
+
+
+def _read_only_device(path: str) -> bool:
+    """Whether ``path`` is a block device the kernel keeps read-only (``losetup -r``, a
+    write-protected disk, ``blockdev --setro``).  Opening it for writing succeeds even so,
+    and only the first write fails (EPERM): checked before L1 is built."""
+    try:
+        if not stat.S_ISBLK(os.stat(path).st_mode):
+            return False
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:  # the open says what it says
+        return False
+    try:
+        return _is_read_only(fd)
+    finally:
+        os.close(fd)
+
+
+def _is_read_only(fd: int) -> bool:
+    try:
+        flag: int = struct.unpack("i", fcntl.ioctl(fd, _BLKROGET, b"\0" * 4))[0]
+    except OSError:
+        return False  # no answer: the writes say what they say
+    return flag != 0
 
 
 def _held_exclusively(path: str) -> bool:
@@ -278,6 +309,8 @@ def open_device(config: RawBlockConfig) -> BlockDevice:
     fd = backing_lock_fd = -1
     try:
         fd = _open(config, is_block_device)
+        if is_block_device and _is_read_only(fd):
+            raise ConfigError(f"{_NAME}: {_read_only(path)}")
         lock_device(fd, path, _NAME)
         if is_block_device:
             backing_lock_fd = lock_loop_backing_file(fd, path, _NAME)
