@@ -5,6 +5,7 @@ record -- and that none of it reaches a caller's buffer as garbage."""
 from __future__ import annotations
 
 import gc
+import logging
 import time
 import tracemalloc
 import zlib
@@ -364,6 +365,26 @@ def test_another_keys_record_under_this_name_is_a_miss_that_is_kept(
     assert raw.exists(mine) and raw.exists(theirs), "another writer's intact record: never deleted"
     stats = adapter.stats()
     assert stats["foreign_records"] == 2 and stats.get("corrupt_records_removed", 0) == 0
+
+
+def test_a_stored_key_another_writer_replaced_is_released_and_logged_as_replaced(
+    adapter: L2Adapter, raw: Raw, l1: memoryview, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The lookup reads another key's record under a key this adapter stored: kept, and
+    this adapter's bytes released as vanished -- said to be replaced in the store, not
+    removed from it (the object is still there)."""
+    mine, theirs = make_keys(2)
+    store(adapter, l1, [mine, theirs])
+    raw.write(mine, raw.read(theirs))
+    with caplog.at_level(logging.WARNING):
+        assert blocking(adapter).lookup_and_lock([mine]).found == [False]
+    assert raw.exists(mine), "another writer's intact record: never deleted"
+    stats = adapter.stats()
+    assert stats["foreign_records"] == 1 and stats["objects_vanished"] == 1
+    said = [m for m in (r.getMessage() for r in caplog.records) if "accounted objects were" in m]
+    assert (
+        len(said) == 1 and "or replaced there by a record this adapter keeps but does not read" in said[0]
+    ), said
 
 
 def test_an_fs_record_in_the_folder_is_never_removed_by_a_lookup(adapter: L2Adapter, raw: Raw) -> None:
