@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from lmcache_plugin_raw_block import RawBlockConfig
 from lmcache_plugin_raw_block.backend import RawBlockBackend
+from lmcache_plugin_raw_block.geometry import plan_geometry
 from rb_helpers import config, open_raw
 from slot_helpers import plugins_show_rows
 
@@ -237,3 +238,12 @@ def test_plugins_show_marks_lmcache_fields() -> None:
     rows = plugins_show_rows("raw-block")
     for name in ("device_path", "slot_bytes", "capacity_bytes", "use_odirect", "block_align", "header_bytes"):
         assert "LMCache field." in rows[name], f"{name} is not marked as LMCache's own field"
+
+
+def test_the_default_metadata_region_is_sized_as_documented() -> None:
+    """Each checkpoint area: a header block and 512 bytes per slot the device could hold, at
+    least 64 KiB, rounded up to block_align (docs/adapters/raw_block.md quotes the first)."""
+    whole = plan_geometry(RawBlockConfig(device_path="x", slot_bytes=2101248), 256 << 20)
+    assert (whole.area_bytes, whole.meta_total_bytes, whole.slot_count) == (68 << 10, 143360, 127)
+    small = plan_geometry(RawBlockConfig(device_path="x", slot_bytes=1 << 20), 8 << 20)
+    assert (small.area_bytes, small.meta_total_bytes) == (64 << 10, 4096 + 2 * (64 << 10))
