@@ -30,6 +30,7 @@ for each policy next to ``LRU``'s, measured in the same run.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -40,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_args import BenchParser
+from bench_args import BenchParser, at_least_one
 
 from lmcache_tiers.client import Client, ClientError
 from lmcache_tiers.plugins import load_registry
@@ -60,7 +61,7 @@ from lmcache_tiers.replay.simulate import (
     simulate_curve,
     simulate_policy,
 )
-from lmcache_tiers.replay.trace import KeySpace, Trace, read_trace
+from lmcache_tiers.replay.trace import KeySpace, Trace, TraceError, read_trace
 from lmcache_tiers.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -402,30 +403,66 @@ def show(report: dict[str, Any]) -> None:
         )
 
 
+def block_counts(text: str) -> list[int]:
+    """An argparse ``type`` for capacities in blocks given as ``1000,4000``: a capacity of no
+    block is no cache to measure, and a typo must not end the run in a traceback."""
+    return [at_least_one(part.strip()) for part in text.split(",") if part.strip()]
+
+
+def block_bytes(text: str) -> int:
+    """An argparse ``type`` for ``--block-bytes``: at least 128, as ``replay`` requires."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 128:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 128")
+    return value
+
+
+def seed_count(text: str) -> int:
+    """An argparse ``type`` for ``--seeds``: 0 skips the re-timed samples; fewer is a typo."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 0")
+    return value
+
+
 def main() -> None:
     parser = BenchParser(__doc__)
-    parser.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake trace (default: the shared one)")
-    parser.add_argument("--capacities", default="1000,4000,16000", help="server L1 capacities in blocks")
+    parser.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake trace")
     parser.add_argument(
-        "--study-capacities", default="1000,4000,16000,64000", help="simulated capacities of the policy study"
+        "--capacities", type=block_counts, default="1000,4000,16000", help="server L1 capacities in blocks"
     )
-    parser.add_argument("--seeds", type=int, default=3, help="re-timed samples in the policy study")
+    parser.add_argument(
+        "--study-capacities",
+        type=block_counts,
+        default="1000,4000,16000,64000",
+        help="simulated capacities of the policy study",
+    )
+    parser.add_argument("--seeds", type=seed_count, default=3, help="re-timed samples in the policy study")
     parser.add_argument("--no-server", action="store_true", help="skip the replays through a real server")
-    parser.add_argument("--block-bytes", type=int, default=8192)
+    parser.add_argument("--block-bytes", type=block_bytes, default=8192, help="bytes per replayed block")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
     if not Path(args.trace).is_file():
         sys.exit(f"trace {args.trace} not found: pass --trace or set LMCACHE_TIERS_REPLAY_TRACE")
-    capacities = [int(part) for part in args.capacities.split(",") if part.strip()]
-    sizes = [int(part) for part in args.study_capacities.split(",") if part.strip()]
-    report = run(
-        args.trace,
-        capacities,
-        args.block_bytes,
-        server=not args.no_server,
-        seeds=args.seeds,
-        study_capacities=sizes,
-    )
+    try:
+        report = run(
+            args.trace,
+            args.capacities,
+            args.block_bytes,
+            server=not args.no_server,
+            seeds=args.seeds,
+            study_capacities=args.study_capacities,
+        )
+    except TraceError as exc:
+        # The line that names the file and its bad line, as ``lmcache-tiers replay`` says it.
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
