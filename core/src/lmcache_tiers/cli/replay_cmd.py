@@ -359,7 +359,7 @@ def replay(
         _refuse_other_modes(ctx, SIMULATE if simulate else IN_PROCESS if in_process else SERVER)
         try:
             step(f"reading the trace {trace_file}")
-            trace = _read_trace(trace_file, limit, show=not as_json)
+            trace = _read_trace(trace_file, limit)
             step("checking the options")
             if simulate:
                 _simulate(
@@ -430,9 +430,9 @@ def _options(block_bytes: int, time_scale: float, timeout: float, model: str, sa
     return options
 
 
-def _progress(show: bool, in_bytes: bool = False) -> Any:
-    """A transient progress bar on stderr, so ``--json`` output stays clean; none when
-    stderr is no terminal (a log file got an empty line from each bar)."""
+def _progress(in_bytes: bool = False) -> Any:
+    """A transient progress bar on stderr, so the report on stdout (``--json`` too) stays
+    clean; none when stderr is no terminal (a log file got an empty line from each bar)."""
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -449,12 +449,12 @@ def _progress(show: bool, in_bytes: bool = False) -> Any:
         TimeElapsedColumn(),
         console=stderr,
         transient=True,
-        disable=not show or not stderr.is_terminal,
+        disable=not stderr.is_terminal,
         refresh_per_second=4,
     )
 
 
-def _read_trace(path: str, limit: int | None, show: bool) -> Any:
+def _read_trace(path: str, limit: int | None) -> Any:
     """The trace, with a progress bar in bytes: a trace of gigabytes takes minutes to read."""
     from lmcache_tiers.replay.trace import read_trace
 
@@ -462,7 +462,7 @@ def _read_trace(path: str, limit: int | None, show: bool) -> Any:
         size = os.stat(path).st_size if os.path.isfile(path) else None
     except OSError:
         size = None  # read_trace names what is wrong with the file
-    progress = _progress(show, in_bytes=True)
+    progress = _progress(in_bytes=True)
     with progress:
         task = progress.add_task("reading the trace", total=size or None)
         return read_trace(path, limit, progress=lambda n: progress.update(task, advance=n))
@@ -546,7 +546,7 @@ def _simulate(
     else:
         # about a minute per 100,000 requests, before the simulation's own bar
         step("re-timing the trace (--retime)", "no report: the simulation had not started")
-        with _progress(not as_json) as waiting:
+        with _progress() as waiting:
             waiting.add_task("re-timing the trace", total=None)
             analysis = prepare(trace, analysis_options)
     trace = analysis.trace
@@ -558,7 +558,7 @@ def _simulate(
         l2_policy=l2_component.name,
     )
     step("simulating", "no report: the simulation was cut short")
-    progress = _progress(not as_json)
+    progress = _progress()
     with progress:
         task = progress.add_task("simulating", total=len(capacities) * (len(factories) + 1))
 
@@ -670,7 +670,7 @@ def _in_process(
     # A signal before the replay's first request (here, as the L1 arena is pre-faulted) has
     # no report to print: the storage built so far is closed, its arena removed.
     step("building the in-process storage (pre-faulting its L1)")
-    progress = _progress(not as_json)
+    progress = _progress()
     # SIGTERM exits through the StorageManager's close as Ctrl-C does: under Python's default
     # action it ended the process at once, leaving the L1 arena in /dev/shm.
     try:
@@ -699,7 +699,7 @@ def _server(
     from lmcache_tiers.replay.run import ReplayStopped
     from lmcache_tiers.replay.server import replay_server
 
-    progress = _progress(not as_json)
+    progress = _progress()
     try:
         step(f"waiting for the server at {url}")
         wait_for_server(url, timeout=options.timeout_s, auth_token=auth_token)
