@@ -176,6 +176,46 @@ def test_another_keys_intact_record_under_a_remote_name_is_a_miss_that_is_kept()
         files.rm(root, recursive=True)
 
 
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_a_stored_key_another_writer_replaced_is_released_by_the_load_that_finds_it(
+    tmp_path: Path, where: str
+) -> None:
+    """An accounted key is a hit by its record's size alone; a load then reads another
+    key's record under its name (an ``s3`` adapter sharing the folder, naming its key
+    salted "tenant.bin" as fs names this one's salted "tenant").  Kept, and this adapter's
+    bytes released then: it stayed a hit at every lookup, each load of it a miss."""
+    import fsspec
+
+    from lmcache_tiers.l2.files import record_name
+    from lmcache_tiers.l2.record import encode_header
+
+    root = str(tmp_path / "l2") if where == "local" else f"memory://replaced-{uuid.uuid4().hex}"
+    files = fsspec.filesystem("file" if where == "local" else "memory")
+    (base,) = make_keys(1)
+    mine = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant")
+    theirs = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant.bin")
+    arena = Arena()
+    adapter = open_fs(fs_config(root), arena.view)
+    try:
+        assert store(adapter, arena, [mine], [pattern(3, SIZE)]) == [True]
+        (path,) = [p for p in files.find(root) if p.endswith(record_name(mine))]
+        payload = pattern(9, SIZE)
+        files.pipe_file(path, encode_header(theirs, payload, align=HEADER) + payload)
+        assert client(adapter).lookup_and_lock([mine]).found == [True]  # by its size
+        adapter.unlock([mine])
+        ok, _ = load(adapter, arena, [mine], [SIZE])
+        assert ok == [False]
+        assert client(adapter).lookup_and_lock([mine]).found == [False]
+        assert files.exists(path), "another writer's record: kept"
+        stats = adapter.stats()
+        assert stats["objects_vanished"] == 1 and stats.get("corrupt_records_removed", 0) == 0
+        assert adapter.used_bytes() == 0
+    finally:
+        adapter.close()
+        if where == "remote":
+            files.rm(root, recursive=True)
+
+
 class _ZlibSerde:
     """A size-changing serde: a lookup of a key core does not know reads the header."""
 

@@ -175,12 +175,17 @@ class BackendContext:
         it stays accounted (the L2 eviction deletes it), and a store or delete of the key
         ends that.  False when not marked: a store of the key ran meanwhile (its new
         record is judged when next read)."""
-        self.unknown_version(key, error)
+        # Kept accounted: the slot is this adapter's to reclaim (its eviction deletes it).
+        self._kept_miss(RecordVerdict.NEWER, key, error, release=False)
         return self._state.mark_undecodable(key)  # the same mark: unreadable until replaced
 
-    def _kept_miss(self, verdict: RecordVerdict, key: ObjectKey, error: Exception) -> None:
+    def _kept_miss(
+        self, verdict: RecordVerdict, key: ObjectKey, error: Exception, *, release: bool = True
+    ) -> None:
         self.count(verdict.counter)
         self.warn(verdict.counter, "%s: %s; a miss, kept", printable(key.file_stem()), error)
+        if release:
+            self._state.release_replaced(key)
 
     @property
     def closing(self) -> bool:

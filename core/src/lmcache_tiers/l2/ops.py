@@ -434,19 +434,15 @@ def _report_gone(
 def vanished(state: AdapterState, keys: Sequence[ObjectKey], how: str) -> None:
     """Accounted objects the backend reported gone, their bytes released already: counted,
     logged once per burst, and announced as deleted -- an eviction policy would otherwise
-    offer them for good, and no delete of this adapter will ever remove them from it.  A
-    record the backend keeps but does not read (another writer's under the name) is
-    reported absent the same way: not this adapter's bytes any more."""
+    offer them for good, and no delete of this adapter will ever remove them from it."""
     _report_gone(
         state,
         keys,
         "objects_vanished",
         "on_l2_keys_deleted",
-        "accounted objects were gone from the store (%s), or replaced there by a record this "
-        "adapter keeps but does not read (another key's or a newer format's, counted as "
-        "foreign_records or record_version_unknown): removed behind this adapter's back, e.g. "
-        "by another server sharing the store, the store's own eviction or expiry, or an "
-        "operator; their bytes are released",
+        "accounted objects were gone from the store (%s): removed behind this adapter's "
+        "back, e.g. by another server sharing the store, the store's own eviction or expiry, "
+        "or an operator; their bytes are released",
         how,
     )
 

@@ -225,6 +225,31 @@ class AdapterState:
             self._unreadable.add(key)
             return True
 
+    def release_replaced(self, key: ObjectKey) -> None:
+        """``key``'s record was found replaced in the store by one this adapter keeps but
+        does not read (another key's, a newer format's): what it accounted under the name
+        is not there any more.  Released now (counted ``objects_vanished``, logged) and
+        announced deleted -- else a backend answering lookups of accounted keys from the
+        record's size would find it at every lookup, and every load of it would miss.  Not
+        when a store of the key ran meanwhile: the record judged may be one it replaced."""
+        with self._lock:
+            reading = self._reading.get(key)
+            if key in self._storing or (reading is not None and reading[1]):
+                return
+        known = self.accounting.get(key)
+        if known is None or not self.accounting.forget_if(key, known):
+            return
+        self.forget_unreadable([key])
+        self.count("objects_vanished")
+        self.burst.warn(
+            "objects_replaced",
+            "%s: accounted object %s replaced in the store by a record this adapter keeps but "
+            "does not read (another key's or a newer format's): its bytes are released",
+            self.name,
+            key.file_stem(),
+        )
+        self.notify("on_l2_keys_deleted", [key])
+
     def mark_unreadable(self, key: ObjectKey, written: Sequence[str]) -> None:
         marked = self._mark(key)
         self.count("serde_chain_mismatch")
