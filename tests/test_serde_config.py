@@ -141,5 +141,7 @@ def test_a_bad_key_stops_serve_with_one_line(tmp_path: Path, key_setup: str, mes
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr
+    # refused by the pre-flight, before L1 is pre-faulted (the serde itself reads it after)
+    assert errors[0].endswith(" - at `$.l2_adapters[0].serde[0]`"), errors[0]
     assert "Traceback" not in result.stderr
     _no_key_in(result.stdout, result.stderr)

@@ -165,6 +165,17 @@ class AesGcmSerde:
         self._epoch = b""
         self._epoch_left = 0
 
+    @staticmethod
+    def preflight(config: AesGcmConfig) -> None:
+        """Read every key the config names, as the serde does, before the server pre-faults
+        L1: a key file missing or holding no key is refused without that wait."""
+        if config.key_file is not None:
+            read_key_file(config.key_file)
+        else:
+            assert config.key_env is not None  # the config's __post_init__ requires one
+            read_key_env(config.key_env)
+        _retired_keys(config)
+
     def __repr__(self) -> str:
         source = (
             f"key_file={self.config.key_file!r}"
