@@ -142,6 +142,14 @@ def test_a_damaged_record_on_a_remote_store_is_released_when_removed() -> None:
         adapter.close()
 
 
+def tenant_keys() -> tuple[ObjectKey, ObjectKey]:
+    """A key salted "tenant" and the same key salted "tenant.bin": an ``s3`` adapter sharing
+    an fs folder on an fsspec URL names the second's object as fs names the first's record."""
+    (base,) = make_keys(1)
+    mine = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant")
+    return mine, ObjectKey(mine.model_name, mine.kv_rank, mine.chunk_hash, mine.object_group, "tenant.bin")
+
+
 def test_another_keys_intact_record_under_a_remote_name_is_a_miss_that_is_kept() -> None:
     """An ``s3`` adapter sharing the folder of an fs root on s3:// names its object of a
     key salted "tenant.bin" as fs names the key salted "tenant": an intact record of
@@ -153,9 +161,7 @@ def test_another_keys_intact_record_under_a_remote_name_is_a_miss_that_is_kept()
 
     files = fsspec.filesystem("memory")
     root = f"memory://foreign-{uuid.uuid4().hex}"
-    (base,) = make_keys(1)
-    mine = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant")
-    theirs = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant.bin")
+    mine, theirs = tenant_keys()
     arena = Arena()
     adapter = open_fs(fs_config(root), arena.view)
     try:
@@ -191,9 +197,7 @@ def test_a_stored_key_another_writer_replaced_is_released_by_the_load_that_finds
 
     root = str(tmp_path / "l2") if where == "local" else f"memory://replaced-{uuid.uuid4().hex}"
     files = fsspec.filesystem("file" if where == "local" else "memory")
-    (base,) = make_keys(1)
-    mine = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant")
-    theirs = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant.bin")
+    mine, theirs = tenant_keys()
     arena = Arena()
     adapter = open_fs(fs_config(root), arena.view)
     try:
@@ -917,9 +921,7 @@ def test_a_delete_leaves_another_keys_record_the_listing_accounted_under_a_remot
 
     files = fsspec.filesystem("memory")
     root = f"memory://foreign-delete-{uuid.uuid4().hex}"
-    (base,) = make_keys(1)
-    mine = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant")
-    theirs = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant.bin")
+    mine, theirs = tenant_keys()
     payload = pattern(9, SIZE)
     path = f"{root}/{record_name(mine)}"
     files.pipe_file(path, encode_header(theirs, payload, align=HEADER) + payload)
@@ -946,9 +948,7 @@ def test_a_foreign_record_a_delete_left_is_no_longer_accounted_nor_a_hit() -> No
 
     files = fsspec.filesystem("memory")
     root = f"memory://foreign-release-{uuid.uuid4().hex}"
-    (base,) = make_keys(1)
-    mine = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant")
-    theirs = ObjectKey(base.model_name, base.kv_rank, base.chunk_hash, base.object_group, "tenant.bin")
+    mine, theirs = tenant_keys()
     payload = pattern(9, SIZE)
     path = f"{root}/{record_name(mine)}"
     files.pipe_file(path, encode_header(theirs, payload, align=HEADER) + payload)
