@@ -246,6 +246,32 @@ def test_plot_without_matplotlib_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert not png.exists()
 
 
+@pytest.mark.parametrize(
+    ("content", "flags", "says"),
+    [
+        ("bogus_key = 1\n", [], "unknown config field `$.bogus_key`"),
+        (
+            '[l2_adapters]\ntype = "mock"\n',
+            ["--l2-adapter", '{"type": "mock", "max_size_gb": 1}'],
+            "expected a list of tables (`[[l2_adapters]]`) - at `$.l2_adapters`",
+        ),
+    ],
+    ids=["unknown-key", "adapters-not-a-list"],
+)
+def test_an_in_process_config_files_own_mistake_names_the_file(
+    tmp_path: Path, content: str, flags: list[str], says: str
+) -> None:
+    """As serve says it: the error named neither the file nor a flag, so a user with
+    several config files could not tell which one held the key."""
+    config = tmp_path / "tiers.toml"
+    config.write_text(content)
+    trace = str(small_trace(tmp_path / "t.jsonl"))
+    args = ["replay", trace, "--in-process", "--l1-size-gb", "0.01", "--config", str(config), *flags]
+    result = run_cli_in_process(args)
+    assert result.returncode == 2
+    assert _error_line(result) == f"error: --config {config}: {says}"
+
+
 def test_an_empty_in_process_config_path_is_refused_not_ignored(tmp_path: Path) -> None:
     trace = small_trace(tmp_path / "t.jsonl", requests=4)
     result = run_cli_in_process(["replay", str(trace), "--in-process", "--l1-blocks", "20", "--config", ""])

@@ -620,8 +620,8 @@ def _in_process(
     l1_blocks: int | None,
     as_json: bool,
 ) -> None:
-    from lmcache_tiers.cli.serve_cmd import ConfigFile, name_flag
-    from lmcache_tiers.config import build_config, file_fields, load_toml
+    from lmcache_tiers.cli.serve_cmd import ConfigFile, _file_values, name_flag
+    from lmcache_tiers.config import build_config
     from lmcache_tiers.plugins import load_registry
     from lmcache_tiers.replay.capacity import l1_size_for_blocks
     from lmcache_tiers.replay.inprocess import ReplayCloseFailed, replay_in_process
@@ -630,8 +630,9 @@ def _in_process(
     from lmcache_tiers.server.app import check_l1_geometry
 
     registry = load_registry()
-    # An empty --config (an unset variable) is a missing file, not "no file".
-    file_values = file_fields(load_toml(config_file)) if config_file is not None else {}
+    # An empty --config (an unset variable) is a missing file, not "no file".  Read as serve
+    # reads it: a mistake of the file's own (an unknown key) names the file.
+    file_values = _file_values(config_file) if config_file is not None else {}
     given = {name for name, value in overrides.items() if value is not None}  # serve's flag names
     named_file = ConfigFile.of(config_file, file_values, ["l2_adapters"] if l2_adapter else [])
     if l1_blocks is not None:
