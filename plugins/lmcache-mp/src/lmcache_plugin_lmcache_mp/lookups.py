@@ -3,8 +3,9 @@
 A lookup hashes the request's full chunks, expands each to every worker's object and starts
 a prefetch that read-locks the leading objects found (L1, then L2) ``num_kv_readers``
 times.  When everything is in L1 the result is known at once; otherwise the lookup waits up
-to ``lookup_wait_ms`` on the pool for it, so that the client's first status query (LMCache's
-clients poll every 50 ms) already has the answer.  The hit count is delivered once, as in
+to ``lookup_wait_ms`` on the pool for it, so that the client's first status query (sent at
+once by LMCache's bench, once the lookup is answered by vLLM's connector) already has the
+answer.  The hit count is delivered once, as in
 LMCache; the locks stay with the request until its retrieves consume them, or
 ``free_lookup_locks`` / ``end_session`` / a newer lookup of the same request gives them back,
 or they have been held for half the L1 lock TTL (counted, then released).  A lookup whose
