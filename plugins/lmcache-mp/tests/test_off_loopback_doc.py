@@ -5,7 +5,8 @@ native front end needs ``--auth-token`` off loopback, but the ``lmcache_mp`` fro
 cannot check one (LMCache's protocol carries no credentials): it needs ``"allow_remote":
 true`` and serves whoever reaches it, token or not.  The HTTP endpoint, named by LMCache's
 ``--http-host``, needs the token off loopback, since ``/status`` is served only against it.
-docs/lmcache-compat.md says so in the rows of those two flags.
+docs/lmcache-compat.md says so in the rows of those two flags and where it lists
+``--auth-token`` among the flags lmcache-tiers adds.
 """
 
 from __future__ import annotations
@@ -56,3 +57,10 @@ def test_the_compat_table_says_what_each_listener_needs_off_loopback() -> None:
     assert "`--auth-token`" in host and "native front end" in host
     assert '`"allow_remote": true`' in host and "no token" in host
     assert "`--auth-token`" in _row("--http-host")
+
+
+def test_the_list_of_added_flags_says_who_needs_the_token() -> None:
+    text = " ".join(COMPAT.read_text().split())
+    (added,) = re.findall(r"Flags lmcache-tiers adds: .*?;", text)
+    assert "`--auth-token` (required off loopback by the native front end and the HTTP endpoint" in added
+    assert "the `lmcache_mp` front end checks none" in text
