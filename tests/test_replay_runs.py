@@ -479,6 +479,18 @@ def test_a_trace_without_blocks_reports_no_miss_ratio_it_never_measured(tmp_path
     assert "1.0000" not in table.stdout and "n/a" in table.stdout, table.stdout
 
 
+def test_a_replay_without_blocks_reports_no_hit_rate_it_never_measured(tmp_path: Path) -> None:
+    """The replay's table said "0.00% total" for requests that named no block and no
+    token, as if the cache had missed everything; the simulation's table says n/a."""
+    trace = tmp_path / "empty.jsonl"
+    line = {"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}
+    trace.write_text(json.dumps(line) + "\n")
+    result = run_cli_in_process(["replay", str(trace), "--in-process", "--l1-size-gb", "0.01"])
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if "prefix hit rate" in line]
+    assert len(rows) == 2 and all("n/a" in row and "%" not in row for row in rows), result.stdout
+
+
 @pytest.mark.parametrize(("fraction", "expected"), [(0.5, 50), (0.99, 99), (1.0, 100), (0.07, 7), (0.0, 1)])
 def test_latency_percentiles_are_nearest_rank(fraction: float, expected: int) -> None:
     # int(q * n) as the index made p99 of 100 samples their maximum.

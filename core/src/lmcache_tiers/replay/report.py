@@ -221,16 +221,16 @@ def replay_table(document: dict[str, Any]) -> Table:
         "requests",
         f"{document['requests']:,} in {document['seconds']:.1f} s ({document['requests_per_s']:,.0f}/s)",
     )
-    table.add_row(
-        "prefix hit rate (blocks)",
-        f"{_pct(rates['blocks'])} total, {_pct_or_unknown(rates['l1_blocks'])} L1, "
-        f"{_pct_or_unknown(rates['l2_blocks'])} L2",
-    )
-    table.add_row(
-        "prefix hit rate (tokens)",
-        f"{_pct(rates['tokens'])} total, {_pct_or_unknown(rates['l1_tokens'])} L1, "
-        f"{_pct_or_unknown(rates['l2_tokens'])} L2",
-    )
+    for unit in ("blocks", "tokens"):
+        # Requests that named no block (or no token) measured no hit rate: 0 % would read
+        # as a cache that missed everything.
+        shown = (
+            f"{_pct(rates[unit])} total, {_pct_or_unknown(rates[f'l1_{unit}'])} L1, "
+            f"{_pct_or_unknown(rates[f'l2_{unit}'])} L2"
+            if document[unit]
+            else f"n/a (no {unit} in the requests replayed)"
+        )
+        table.add_row(f"prefix hit rate ({unit})", shown)
     table.add_row(
         "L1 bytes", f"{_bytes(moved['l1_stored'])} stored, {_bytes(moved['l1_retrieved'])} retrieved"
     )
