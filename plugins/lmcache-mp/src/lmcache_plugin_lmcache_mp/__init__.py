@@ -55,7 +55,8 @@ class LMCacheMPConfig(FrontendConfig, kw_only=True, frozen=True, forbid_unknown_
         float,
         _doc(
             "How long a lookup that goes to L2 waits for its prefetch before it answers, so the "
-            "client's first status query has the result (LMCache clients poll every 50 ms).",
+            "client's first status query has the result (LMCache's bench polls every 50 ms, "
+            "vLLM's connector once per scheduler step).",
             ge=0.0,
             le=10_000.0,
         ),
