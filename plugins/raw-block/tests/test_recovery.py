@@ -649,6 +649,44 @@ def test_stores_after_a_clean_checkpoint_that_cannot_be_superseded_survive_a_cra
         again.close()
 
 
+def test_a_damaged_newest_checkpoint_header_is_counted_and_the_older_clean_one_not_trusted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # As above, with the start-up checkpoint's header damaged rather than its body: it may
+    # have been the newest, so the clean checkpoint before it is not trusted unread (a
+    # slot it lists holds an acknowledged store of another key since), and the damage
+    # is counted and logged like a damaged body.
+    cfg = config(tmp_path / "dev.img", slots=4, meta_enable_periodic=False, meta_verify_on_load=False)
+    old_keys, new_keys = make_keys(1), make_keys(1, start=10)
+    old, new = data_for(1), data_for(1, seed=1)
+    adapter = open_raw(cfg)
+    assert store(adapter, old_keys, old) == [True]
+    adapter.close()  # a clean checkpoint listing the old key in slot 0
+    adapter = open_raw(cfg)  # trusts it, and writes its start-up checkpoint (not clean)
+    backend = backend_of(adapter)
+    startup_area = backend._areas._area
+    assert adapter.delete(old_keys) == [True]
+    assert store(adapter, new_keys, new) == [True]  # into slot 0, acknowledged
+    crash(adapter)
+    geometry = backend.geometry
+    flip_byte(cfg.device_path, geometry.area_offset(startup_area) + 30)  # in the sequence number
+    with caplog.at_level(logging.WARNING):
+        reopened = open_raw(cfg)
+    try:
+        assert reopened.stats()["checkpoints_unusable"] == 1
+        assert f"checkpoint header of area {startup_area} is damaged" in caplog.text
+        assert client(reopened).lookup_and_lock(old_keys + new_keys).found == [False, True]
+        reopened.unlock(new_keys)
+        assert load(reopened, new_keys, [len(new[0])]) == ([True], new)
+    finally:
+        reopened.close()
+    again = open_raw(cfg)  # the damaged header was overwritten: nothing passed over now
+    try:
+        assert again.stats().get("checkpoints_unusable", 0) == 0
+    finally:
+        again.close()
+
+
 def test_a_checkpoint_passed_over_at_start_up_never_outranks_the_later_ones(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -83,6 +83,8 @@ class CheckpointAreas:
         self._unread: set[int] = set()
         #: the highest sequence number of a checkpoint of another format version read
         self._other_version_seq = 0
+        #: areas whose header ``read_newest`` found damaged (neither blank nor intact)
+        self._damaged: list[int] = []
 
     def _header(self, seq: int, body: bytes) -> bytes:
         fields = _HEADER.pack(
@@ -105,14 +107,29 @@ class CheckpointAreas:
             return None
         magic, version, identity, seq, length, body_crc = _HEADER.unpack_from(data)
         (crc,) = _CRC.unpack_from(data, _HEADER.size)
-        if magic != CHECKPOINT_MAGIC or identity != self._identity or zlib.crc32(data[: _HEADER.size]) != crc:
+        if magic != CHECKPOINT_MAGIC or zlib.crc32(data[: _HEADER.size]) != crc:
+            # Formatting blanks both headers: anything else but a checkpoint is damage.
+            if data.strip(b"\0"):
+                self._damaged_header(area, "its magic or crc does not match")
+            return None
+        if identity != self._identity:
+            self._damaged_header(area, "it names another device identity")
             return None
         if version != CHECKPOINT_VERSION:
             self._other_version(area, seq, version)
             return None
         if length > self._geometry.area_bytes - self._geometry.block_align:
+            self._damaged_header(area, f"its body length {length} exceeds the area")
             return None
         return seq, length, body_crc
+
+    def _damaged_header(self, area: int, why: str) -> None:
+        """A header neither blank nor intact: the checkpoint it held -- perhaps the newest
+        -- is lost, so the one recovery takes may be older (counted, logged).  It never
+        reads as valid again, so it need not be superseded first."""
+        log.warning("raw_block: the checkpoint header of area %d is damaged (%s); passed over", area, why)
+        self.unusable += 1
+        self._damaged.append(area)
 
     def _other_version(self, area: int, seq: int, version: int) -> None:
         """An intact checkpoint of another format version (a newer server's, before a
@@ -136,12 +153,13 @@ class CheckpointAreas:
         keep the adapter from opening at all."""
         headers: list[tuple[int, tuple[int, int, int]]] = []
         unread: list[int] = []
+        self._damaged = []
         for area in (0, 1):
             before = self.unusable
             found = self._readable_header(area)
             if found is not None:
                 headers.append((area, found))
-            elif self.unusable > before:
+            elif self.unusable > before and area not in self._damaged:
                 unread.append(area)
         # A checkpoint passed over now (its body unreadable for the moment) may read again
         # after a crash: every later checkpoint must outrank it, or a restart would take it
@@ -149,7 +167,8 @@ class CheckpointAreas:
         self.seq = max([found[0] for _area, found in headers] + [self._other_version_seq])
         self._area = 1 - unread[0] if unread else 1
         self._unread = set(unread)
-        self.newer_passed_over = bool(unread) or bool(headers)
+        damaged = bool(self._damaged)  # it may have held a newer checkpoint than any read
+        self.newer_passed_over = bool(unread) or bool(headers) or damaged
         for area, (seq, length, body_crc) in sorted(headers, key=lambda item: -item[1][0]):
             start = self._geometry.area_offset(area) + self._geometry.block_align
             try:
@@ -174,7 +193,7 @@ class CheckpointAreas:
                 self.unusable += 1
                 continue
             self._area = area
-            self.newer_passed_over = bool(unread) or seq < self.seq
+            self.newer_passed_over = bool(unread) or damaged or seq < self.seq
             entries = [
                 (key, SlotEntry(slot, write_seq, stored, l1))
                 for slot, write_seq, stored, l1, key in decoded.entries
