@@ -295,3 +295,19 @@ def test_a_file_a_dax_adapter_holds_is_refused_to_raw_block_without_naming_the_w
             )
         finally:
             adapter.close()
+
+
+def test_a_file_on_a_read_only_filesystem_is_refused_by_the_preflight() -> None:
+    import subprocess
+
+    with small_tmpfs("8m") as mount:
+        path = Path(mount) / "dax.img"
+        path.write_bytes(b"")
+        subprocess.run(["mount", "-o", "remount,ro", mount], check=True)
+        cfg = config(path)
+        with pytest.raises(FieldError) as caught:
+            DaxBackend.preflight(cfg)
+        assert (caught.value.field, str(caught.value)) == (
+            "device_path",
+            f"this user may not read and write {path}",
+        )
