@@ -348,7 +348,7 @@ def test_close_with_a_late_reply_from_a_frozen_server_ends_within_the_clean_up_b
                 client.lookup(keys)
             client.close()
             assert not resumed.is_set(), "close waited for the frozen server"
-        assert "1 requests given up on still unanswered" in caplog.text
+        assert "1 request given up on still unanswered" in caplog.text
 
 
 #: releases of keys nobody holds, each of max_keys keys (about 0.5 MB), sent to a frozen

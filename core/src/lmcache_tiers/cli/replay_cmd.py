@@ -620,7 +620,7 @@ def _in_process(
     l1_blocks: int | None,
     as_json: bool,
 ) -> None:
-    from lmcache_tiers.cli.serve_cmd import ConfigFile, _file_values, name_flag
+    from lmcache_tiers.cli.serve_cmd import ConfigFile, config_file_values, name_flag
     from lmcache_tiers.config import build_config
     from lmcache_tiers.plugins import load_registry
     from lmcache_tiers.replay.capacity import l1_size_for_blocks
@@ -632,7 +632,7 @@ def _in_process(
     registry = load_registry()
     # An empty --config (an unset variable) is a missing file, not "no file".  Read as serve
     # reads it: a mistake of the file's own (an unknown key) names the file.
-    file_values = _file_values(config_file) if config_file is not None else {}
+    file_values = config_file_values(config_file) if config_file is not None else {}
     given = {name for name, value in overrides.items() if value is not None}  # serve's flag names
     named_file = ConfigFile.of(config_file, file_values, ["l2_adapters"] if l2_adapter else [])
     if l1_blocks is not None:

@@ -473,7 +473,7 @@ def _default_l2_error(exc: ConfigError) -> ConfigError:
     )
 
 
-def _file_values(path: str) -> dict[str, Any]:
+def config_file_values(path: str) -> dict[str, Any]:
     """The ``--config`` file's top-level keys as field names (its key errors say "config
     field"); a list of adapters or front ends that is no list is refused naming the file."""
     values = load_toml(path)  # (its errors name the file)
@@ -537,7 +537,7 @@ def run_serve(
     # Keys as field names first (a file may write `[[l2-adapters]]`), so that the default L2
     # is added only where the file has no adapters of its own.
     # An empty --config (an unset variable) is a missing file, not "no file".
-    file_values = _file_values(params["config"]) if params["config"] is not None else {}
+    file_values = config_file_values(params["config"]) if params["config"] is not None else {}
     adapters = params["l2_adapter"]
     replaced = [name for name, flag in (("l2_adapters", adapters), ("frontends", params["frontend"])) if flag]
     config_file = ConfigFile.of(params["config"], file_values, replaced)

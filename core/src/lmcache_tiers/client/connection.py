@@ -351,10 +351,11 @@ class Connection:
             self._await_ping_before(deadline)
         if waiting:
             logger.warning(
-                "client for %s closed with %d requests given up on still unanswered after %gs: "
+                "client for %s closed with %d request%s given up on still unanswered after %gs: "
                 "what their replies take on the server (read locks, reservations) expires with its TTL",
                 self.url,
                 waiting,
+                "" if waiting == 1 else "s",
                 self._cleanup_seconds(),
             )
 
