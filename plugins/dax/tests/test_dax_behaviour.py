@@ -3,6 +3,7 @@ mappings, eviction with pinned keys, capacity across restarts."""
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -108,7 +109,7 @@ def test_a_flipped_byte_is_a_miss_removed_for_good(where: str) -> None:
             reopened.close()
 
 
-def test_a_damaged_index_entry_is_dropped_at_restart() -> None:
+def test_a_damaged_index_entry_is_dropped_at_restart(caplog: pytest.LogCaptureFixture) -> None:
     with shm_dir() as directory:
         cfg = config(directory / "dax.img")
         keys, data = make_keys(3), data_for(3)
@@ -118,9 +119,12 @@ def test_a_damaged_index_entry_is_dropped_at_restart() -> None:
         offset = region.layout.entry_offset(local) + 100
         adapter.close()
         flip_byte(cfg.device_path, offset)
-        reopened = open_dax(cfg)
+        with caplog.at_level(logging.WARNING):
+            reopened = open_dax(cfg)
         try:
             assert reopened.stats()["recovery_dropped_slots"] == 1
+            assert "1 committed index entries dropped: they do not verify" in caplog.text
+            assert f"e.g. slot {local}" in caplog.text
             assert client(reopened).lookup_and_lock(keys).found == [True, False, True]
             reopened.unlock([keys[0], keys[2]])
         finally:

@@ -192,6 +192,30 @@ def test_a_checkpoint_of_a_newer_format_is_counted_logged_and_outranked(
         reopened.close()
 
 
+def test_a_checkpointed_object_whose_slot_header_is_damaged_is_dropped_counted_and_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = config(tmp_path / "dev.img")
+    keys, data = make_keys(3), data_for(3)
+    adapter = open_raw(cfg)
+    backend = backend_of(adapter)
+    assert store(adapter, keys, data) == [True] * 3
+    entry = backend.table.lookup(keys[1:2])[0]
+    assert entry is not None
+    adapter.close()
+    flip_byte(cfg.device_path, backend.geometry.slot_offset(entry.slot) + 60)
+    with caplog.at_level(logging.WARNING):
+        reopened = open_raw(cfg)
+    try:
+        assert reopened.stats()["recovery_dropped_slots"] == 1
+        assert "1 objects of checkpoint" in caplog.text
+        assert f"e.g. slot {entry.slot} ({keys[1].file_stem()})" in caplog.text
+        assert client(reopened).lookup_and_lock(keys).found == [True, False, True]
+        reopened.unlock([keys[0], keys[2]])
+    finally:
+        reopened.close()
+
+
 def test_without_any_valid_checkpoint_every_slot_header_is_read(tmp_path: Path) -> None:
     cfg = config(tmp_path / "dev.img", slots=12)
     keys, data = make_keys(4), data_for(4)

@@ -196,14 +196,25 @@ class DaxBackend(SlotStoreBackend):
         dropped = 0
         for index in reopened:
             region = self.regions[index]
+            damaged: list[int] = []
             for local, seq in region.committed():
                 header = decode_slot_header(region.entry_header(local), region.identity, local)
                 if header is None or header.seq != seq or header.stored > self.config.slot_bytes:
                     region.clear(local)
-                    dropped += 1
+                    damaged.append(local)
                     continue
                 global_slot = int(self._global_of[index][local])
                 writes.setdefault(header.key, []).append(replace(header, slot=global_slot))
+            if damaged:
+                # A commit word is stored after its entry is whole: these are damage.
+                log.warning(
+                    "dax: %s: %d committed index entries dropped: they do not verify (crc, "
+                    "identity, slot, commit word or size), e.g. slot %d",
+                    region.path,
+                    len(damaged),
+                    damaged[0],
+                )
+                dropped += len(damaged)
         return writes, dropped
 
     def _newest_readable(

@@ -115,6 +115,8 @@ class _Recovery:
             self.result.from_checkpoint += len(checkpoint.entries)
             return
         slots = [entry.slot for _key, entry in checkpoint.entries]
+        dropped = 0
+        first: tuple[int, ObjectKey] | None = None
         for (key, entry), header in zip(checkpoint.entries, self.headers(slots), strict=True):
             if header is not None and header.seq == entry.seq and header.key == key:
                 if self.record_ok(header, entry):
@@ -123,7 +125,20 @@ class _Recovery:
                 continue
             if header is not None and header.seq >= checkpoint.next_seq and self.take(header):
                 continue
-            self.result.dropped += 1
+            dropped += 1
+            first = first or (entry.slot, key)
+        self.result.dropped += dropped
+        if first is not None:
+            # One line for them all: a device damaged wholesale would flood the log.
+            log.warning(
+                "raw_block: %d objects of checkpoint %d dropped: their slot headers no longer "
+                "name them (damaged or unreadable, or rewritten by a write in flight at a "
+                "crash), e.g. slot %d (%s)",
+                dropped,
+                checkpoint.seq,
+                first[0],
+                first[1].file_stem(),
+            )
 
     def mark_other_chains(self, entries: Sequence[tuple[ObjectKey, SlotEntry]]) -> None:
         """Make each key whose object (its newest write among ``entries``) is a record of
