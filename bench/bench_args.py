@@ -4,6 +4,7 @@ each option's default next to its help."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 
@@ -27,16 +28,24 @@ class BenchParser(argparse.ArgumentParser):
         return super().add_argument(*names, **kwargs)
 
 
-def at_least_one(text: str) -> int:
-    """An argparse ``type`` for counts (rounds, objects, runs): a whole number >= 1, since
-    a median of no rounds or a rate over no objects is not a figure."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
-    return value
+def whole_number_from(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type`` for a whole number >= ``minimum`` (refused in one line)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is not >= {minimum}")
+        return value
+
+    return parse
+
+
+#: an argparse ``type`` for counts (rounds, objects, runs): a whole number >= 1, since a
+#: median of no rounds or a rate over no objects is not a figure
+at_least_one = whole_number_from(1)
 
 
 def dimensions(text: str) -> tuple[int, ...]:

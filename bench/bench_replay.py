@@ -30,7 +30,6 @@ for each policy next to ``LRU``'s, measured in the same run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -41,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_args import BenchParser, at_least_one
+from bench_args import BenchParser, at_least_one, whole_number_from
 
 from lmcache_tiers.client import Client, ClientError
 from lmcache_tiers.plugins import load_registry
@@ -409,26 +408,10 @@ def block_counts(text: str) -> list[int]:
     return [at_least_one(part.strip()) for part in text.split(",") if part.strip()]
 
 
-def block_bytes(text: str) -> int:
-    """An argparse ``type`` for ``--block-bytes``: at least 128, as ``replay`` requires."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 128:
-        raise argparse.ArgumentTypeError(f"{value} is not >= 128")
-    return value
-
-
-def seed_count(text: str) -> int:
-    """An argparse ``type`` for ``--seeds``: 0 skips the re-timed samples; fewer is a typo."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is not >= 0")
-    return value
+#: ``--block-bytes``: at least 128, as ``replay`` requires
+block_bytes = whole_number_from(128)
+#: ``--seeds``: 0 skips the re-timed samples; fewer is a typo
+seed_count = whole_number_from(0)
 
 
 def main() -> None:
