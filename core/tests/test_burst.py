@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from lmcache_tiers.burst import BurstLog
+from lmcache_tiers.burst import BurstLog, report_held_back
 from lmcache_tiers.l1 import L1Arena
 
 
@@ -60,3 +60,35 @@ def test_a_log_made_for_errors_logs_at_error_and_one_line_may_say_its_own_level(
         warnings.event(1, "objects dropped")
         warnings.warn("lost", "one acknowledged write lost", level=logging.ERROR)
     assert [record.levelno for record in caplog.records] == [logging.ERROR, logging.WARNING, logging.ERROR]
+
+
+def test_warnings_held_back_are_logged_once_their_window_ends_or_at_the_stop(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst followed by quiet: the tail of it, only counted, was in no log line until
+    the next warning of its kind came -- maybe never."""
+    log = logging.getLogger("lmcache_tiers.test_burst_held")
+    burst = BurstLog(log, "test_dropped", window_s=10.0)
+    clock = [1000.0]
+    monkeypatch.setattr("lmcache_tiers.burst.time.monotonic", lambda: clock[0])
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        for key in ("a", "b", "c"):
+            burst.warn("dropped", "%s dropped", key)
+        assert [r.getMessage() for r in caplog.records] == ["a dropped"]
+        report_held_back(1005.0)  # within the window: still held
+        assert len(caplog.records) == 1
+        report_held_back(1010.0)  # its window ended: the last held, with the count
+        assert (
+            caplog.records[-1].getMessage()
+            == "c dropped (2 like it held back in the last 10 s, this the last)"
+        )
+        report_held_back(1030.0)  # nothing held any more
+        assert len(caplog.records) == 2
+        clock[0] = 1012.0  # within the window the held-back line began
+        burst.warn("dropped", "%s dropped", "d")
+        assert len(caplog.records) == 2
+        report_held_back()  # the stop: every kind, whatever its window
+        assert (
+            caplog.records[-1].getMessage()
+            == "d dropped (1 like it held back in the last 10 s, this the last)"
+        )

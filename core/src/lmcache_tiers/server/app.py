@@ -42,7 +42,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from lmcache_tiers import __version__
-from lmcache_tiers.burst import BurstLog
+from lmcache_tiers.burst import BurstLog, report_held_back
 from lmcache_tiers.close_steps import logged_close_failure
 from lmcache_tiers.config import ServerConfig, default_frontends, redact_url_secrets
 from lmcache_tiers.endpoints import is_loopback
@@ -407,6 +407,9 @@ class TiersServer:
             if waker.poll(1000):
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_read, 64)
+            # Warnings a burst held back, once their window ends: else a burst followed by
+            # quiet leaves its last drops in no log line.
+            report_held_back(time.monotonic())
         self._log_stop()
         self._stop_frontends()
         if self._fatal is not None:
@@ -501,6 +504,7 @@ class TiersServer:
             "l1_objects": before["l1"]["objects"],
         }
         failed = [step for step in (storage_failure, self._release_endpoints()) if step is not None]
+        report_held_back()  # every warning still held back, the stop's own included
         if failed:
             raise StopFailed("; ".join(failed), abandoned)
         return summary
