@@ -145,7 +145,8 @@ class RawBlockConfig(L2AdapterConfig):
             description=lmcache_field(
                 "Bytes before the first slot: the superblock and two checkpoint areas; a "
                 f"multiple of block_align. null (lmcache-tiers' default; LMCache's is 256 MiB) "
-                f"sizes it for the slot count, {META_BYTES_PER_SLOT} bytes per slot per area."
+                f"sizes it for the slot count: each area a header block and {META_BYTES_PER_SLOT} "
+                f"bytes per slot, at least {META_MIN_AREA_BYTES >> 10} KiB, rounded up to block_align."
             )
         ),
     ] = None
