@@ -360,11 +360,16 @@ def test_trusting_the_checkpoint_after_a_crash_keeps_a_store_into_a_reused_slot(
         reopened.close()
 
 
-def test_a_clean_checkpoint_is_not_trusted_when_a_newer_one_was_passed_over(tmp_path: Path) -> None:
+@pytest.mark.parametrize("damaged", ["body", "header"])
+def test_a_clean_checkpoint_is_not_trusted_when_a_newer_one_was_passed_over(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damaged: str
+) -> None:
     # A clean checkpoint is the device's final state only while nothing newer exists: once
     # a later run wrote a checkpoint (its start-up one) and stores, that one being
-    # unreadable at the next start must not make the older clean one trusted unread -- a
-    # slot it lists may hold an acknowledged store of another key since.
+    # unreadable at the next start -- its body, or its header (then it may have been the
+    # newest all the same) -- must not make the older clean one trusted unread: a slot it
+    # lists may hold an acknowledged store of another key since.  Either damage is
+    # counted and logged.
     cfg = config(tmp_path / "dev.img", slots=4, meta_enable_periodic=False, meta_verify_on_load=False)
     old_keys, new_keys = make_keys(1), make_keys(1, start=10)
     old, new = data_for(1), data_for(1, seed=1)
@@ -378,15 +383,25 @@ def test_a_clean_checkpoint_is_not_trusted_when_a_newer_one_was_passed_over(tmp_
     assert store(adapter, new_keys, new) == [True]  # ... and holds the new key, acknowledged
     crash(adapter)
     geometry = backend.geometry
-    flip_byte(cfg.device_path, geometry.area_offset(startup_area) + geometry.block_align + 3)
-    reopened = open_raw(cfg)
+    # the body's first block, or the header's sequence number
+    offset = geometry.block_align + 3 if damaged == "body" else 30
+    flip_byte(cfg.device_path, geometry.area_offset(startup_area) + offset)
+    with caplog.at_level(logging.WARNING):
+        reopened = open_raw(cfg)
     try:
         assert reopened.stats()["checkpoints_unusable"] == 1
+        if damaged == "header":
+            assert f"checkpoint header of area {startup_area} is damaged" in caplog.text
         assert client(reopened).lookup_and_lock(old_keys + new_keys).found == [False, True]
         reopened.unlock(new_keys)
         assert load(reopened, new_keys, [len(new[0])]) == ([True], new)
     finally:
         reopened.close()
+    again = open_raw(cfg)  # the damaged area was overwritten: nothing passed over now
+    try:
+        assert again.stats().get("checkpoints_unusable", 0) == 0
+    finally:
+        again.close()
 
 
 def test_serde_records_keep_their_l1_size_and_other_chains_are_kept_as_misses(tmp_path: Path) -> None:
@@ -669,44 +684,6 @@ def test_stores_after_a_clean_checkpoint_that_cannot_be_superseded_survive_a_cra
     again = open_raw(cfg)
     try:
         assert store(again, new_keys, new) == [True]
-    finally:
-        again.close()
-
-
-def test_a_damaged_newest_checkpoint_header_is_counted_and_the_older_clean_one_not_trusted(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    # As above, with the start-up checkpoint's header damaged rather than its body: it may
-    # have been the newest, so the clean checkpoint before it is not trusted unread (a
-    # slot it lists holds an acknowledged store of another key since), and the damage
-    # is counted and logged like a damaged body.
-    cfg = config(tmp_path / "dev.img", slots=4, meta_enable_periodic=False, meta_verify_on_load=False)
-    old_keys, new_keys = make_keys(1), make_keys(1, start=10)
-    old, new = data_for(1), data_for(1, seed=1)
-    adapter = open_raw(cfg)
-    assert store(adapter, old_keys, old) == [True]
-    adapter.close()  # a clean checkpoint listing the old key in slot 0
-    adapter = open_raw(cfg)  # trusts it, and writes its start-up checkpoint (not clean)
-    backend = backend_of(adapter)
-    startup_area = backend._areas._area
-    assert adapter.delete(old_keys) == [True]
-    assert store(adapter, new_keys, new) == [True]  # into slot 0, acknowledged
-    crash(adapter)
-    geometry = backend.geometry
-    flip_byte(cfg.device_path, geometry.area_offset(startup_area) + 30)  # in the sequence number
-    with caplog.at_level(logging.WARNING):
-        reopened = open_raw(cfg)
-    try:
-        assert reopened.stats()["checkpoints_unusable"] == 1
-        assert f"checkpoint header of area {startup_area} is damaged" in caplog.text
-        assert client(reopened).lookup_and_lock(old_keys + new_keys).found == [False, True]
-        reopened.unlock(new_keys)
-        assert load(reopened, new_keys, [len(new[0])]) == ([True], new)
-    finally:
-        reopened.close()
-    again = open_raw(cfg)  # the damaged header was overwritten: nothing passed over now
-    try:
-        assert again.stats().get("checkpoints_unusable", 0) == 0
     finally:
         again.close()
 
