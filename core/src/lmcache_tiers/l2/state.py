@@ -213,14 +213,18 @@ class AdapterState:
                 if entry[0] <= 0:
                     del self._reading[key]
 
+    def _stored_meanwhile(self, key: ObjectKey) -> bool:
+        """Whether a store of ``key`` is in flight, or ran while a lookup or load of it read
+        its record: the record judged may be the one that store replaced (the new one is
+        judged when next read).  The caller holds the lock."""
+        reading = self._reading.get(key)
+        return key in self._storing or (reading is not None and reading[1])
+
     def _mark(self, key: ObjectKey) -> bool:
-        """Mark ``key`` a miss until replaced, unless a store of it was in flight while a
-        lookup or load of it read its record: the record judged may be the one that store
-        replaced, and the new one is readable (it is judged when next read).  Whether it
+        """Mark ``key`` a miss until replaced, unless it was stored meanwhile.  Whether it
         was marked."""
         with self._lock:
-            reading = self._reading.get(key)
-            if key in self._storing or (reading is not None and reading[1]):
+            if self._stored_meanwhile(key):
                 return False
             self._unreadable.add(key)
             return True
@@ -233,8 +237,7 @@ class AdapterState:
         record's size would find it at every lookup, and every load of it would miss.  Not
         when a store of the key ran meanwhile: the record judged may be one it replaced."""
         with self._lock:
-            reading = self._reading.get(key)
-            if key in self._storing or (reading is not None and reading[1]):
+            if self._stored_meanwhile(key):
                 return
         known = self.accounting.get(key)
         if known is None or not self.accounting.forget_if(key, known):
