@@ -225,7 +225,7 @@ def create_frontend(
     # An OSError is the caller's to explain (the address it cannot listen on).
     what = f"front end {context.name}: {component.origin}"
     frontend = create_component(
-        component, what, spec.config, context, path=f"$.frontends[{index}]", kept=(OSError,)
+        component, spec.config, context, what=what, path=f"$.frontends[{index}]", kept=(OSError,)
     )
     if not isinstance(frontend, Frontend):
         # It bound its sockets already: ``join`` is what closes them (a front end that

@@ -93,7 +93,7 @@ def build_serde_chain(
         component = registry.get(Kind.SERDE, spec.type)
         what = f"{adapter + ': ' if adapter else ''}serde[{position}] {component.origin}"
         where = f"{path}.serde[{position}]" if path else ""
-        serde = create_component(component, what, spec.config, path=where)
+        serde = create_component(component, spec.config, what=what, path=where)
         if not isinstance(serde, Serde):
             raise ConfigError(
                 f"serde[{position}] {spec.type!r} built {type(serde).__name__}, which lacks "

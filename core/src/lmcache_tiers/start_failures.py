@@ -31,13 +31,13 @@ def named_start_failure(exc: Exception, what: str, path: str = "") -> TiersError
 
 def create_component(
     component: Component,
-    what: str,
     *args: Any,
+    what: str = "",
     path: str = "",
     kept: tuple[type[Exception], ...] = (),
 ) -> Any:
-    """``component.create(*args)``, what its factory raises named as ``what`` (core's own
-    errors, and ``kept``, as they are)."""
+    """``component.create(*args)``, what its factory raises named as ``what`` (by default
+    the component and its plugin; core's own errors, and ``kept``, as they are)."""
     try:
         return component.create(*args)
     except TiersError:
@@ -45,4 +45,4 @@ def create_component(
     except kept:
         raise
     except (OSError, ValueError) as exc:
-        raise named_start_failure(exc, what, path) from exc
+        raise named_start_failure(exc, what or component.origin, path) from exc

@@ -57,7 +57,7 @@ def build_policy(registry: ComponentRegistry, kind: Kind, name: str) -> Any:
         raise ConfigError(
             f"{component.origin} cannot build its default configuration: {type(exc).__name__}: {exc}"
         ) from exc
-    return create_component(component, component.origin, config)
+    return create_component(component, config)
 
 
 def _refuse_with_nvme_l1(name: str, built: object) -> None:
