@@ -1034,17 +1034,22 @@ def test_the_circuit_probe_reads_the_stores_limits_again(
     assert error_replies() == before, "an object over the limit was sent"
 
 
+@pytest.fixture
+def under_a_1mb_query_buffer(
+    own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> BackendAdapter:
+    """An adapter on a store whose client-query-buffer-limit is 1 MiB, read at open."""
+    own_server.cli("CONFIG", "SET", "client-query-buffer-limit", "1mb")
+    return open_adapter(url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0)
+
+
 def test_an_object_over_the_query_buffer_limit_is_refused_alone(
-    own_server: RedisServer,
-    prefix: str,
-    open_adapter: Callable[..., BackendAdapter],
-    caplog: pytest.LogCaptureFixture,
+    own_server: RedisServer, under_a_1mb_query_buffer: BackendAdapter, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Redis reads a long argument into the query buffer whole and closes the connection
     # when it outgrows client-query-buffer-limit (1 MiB here): an object of 1 MiB is
     # under proto-max-bulk-len, yet sent it would fail its whole batch.
-    own_server.cli("CONFIG", "SET", "client-query-buffer-limit", "1mb")
-    adapter = open_adapter(url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0)
+    adapter = under_a_1mb_query_buffer
     keys = make_keys(3)
     sizes = [4096, 1 << 20, (1 << 20) - 4096]
     buffers = [memoryview(bytearray(pattern(index, size))) for index, size in enumerate(sizes)]
@@ -1060,17 +1065,13 @@ def test_an_object_over_the_query_buffer_limit_is_refused_alone(
 
 
 def test_an_object_over_the_limits_read_is_stored_once_the_store_raised_them(
-    own_server: RedisServer,
-    prefix: str,
-    open_adapter: Callable[..., BackendAdapter],
-    caplog: pytest.LogCaptureFixture,
+    own_server: RedisServer, under_a_1mb_query_buffer: BackendAdapter, caplog: pytest.LogCaptureFixture
 ) -> None:
     # The limits read at open are 1 MiB; the operator raises them with CONFIG SET.  No
     # connection drops and no probe runs then, so only the refusal itself can read them
     # again: an object the store now takes must be stored, not refused for a limit the
     # store no longer has (the refusal's log line would name that stale limit).
-    own_server.cli("CONFIG", "SET", "client-query-buffer-limit", "1mb")
-    adapter = open_adapter(url=own_server.url, key_prefix=prefix, max_capacity_gb=1.0)
+    adapter = under_a_1mb_query_buffer
     keys = make_keys(2)
     buffers = [memoryview(bytearray(pattern(index, 1 << 20))) for index in range(2)]
     with caplog.at_level(logging.WARNING, logger="lmcache_tiers"):

@@ -124,34 +124,12 @@ def test_replies_a_load_never_asks_for_are_protocol_errors(
         reader.end_bulk()
 
 
-@pytest.mark.parametrize(
-    ("stream", "message"),
-    [(b":1\r\n", "expected a status reply"), (b"$2\r\nOK\r\n", "expected a status reply")],
-)
-def test_a_store_reply_that_is_no_status_is_a_protocol_error(
-    peer: tuple[ReplyReader, socket.socket], stream: bytes, message: str
-) -> None:
-    reader, theirs = peer
-    theirs.sendall(stream)
-    with pytest.raises(InvalidResponse, match=message):
-        reader.status_reply()
-
-
 def test_a_refused_store_is_its_error_reply(peer: tuple[ReplyReader, socket.socket]) -> None:
     reader, theirs = peer
     theirs.sendall(b"-OOM command not allowed when used memory > 'maxmemory'.\r\n+OK\r\n")
     error = reader.status_reply()
     assert isinstance(error, ResponseError) and str(error).startswith("OOM")
     assert reader.status_reply() == "OK"
-
-
-def test_a_lookup_reply_of_another_type_is_a_protocol_error(
-    peer: tuple[ReplyReader, socket.socket],
-) -> None:
-    reader, theirs = peer
-    theirs.sendall(b"*1\r\n")
-    with pytest.raises(InvalidResponse, match="expected a bulk string reply"):
-        reader.bulk_reply()
 
 
 def test_a_lookups_payload_lengths_are_read_as_integers(peer: tuple[ReplyReader, socket.socket]) -> None:
@@ -165,16 +143,25 @@ def test_a_lookups_payload_lengths_are_read_as_integers(peer: tuple[ReplyReader,
 
 
 @pytest.mark.parametrize(
-    ("stream", "message"),
-    [(b"$1\r\nx\r\n", "expected an integer reply"), (b":12a\r\n", "bad integer")],
+    ("read", "stream", "message"),
+    [
+        # a store's reply that is no status
+        ("status_reply", b":1\r\n", "expected a status reply"),
+        ("status_reply", b"$2\r\nOK\r\n", "expected a status reply"),
+        # a lookup's reply of another type
+        ("bulk_reply", b"*1\r\n", "expected a bulk string reply"),
+        # a lookup's length reply that is no integer
+        ("integer_reply", b"$1\r\nx\r\n", "expected an integer reply"),
+        ("integer_reply", b":12a\r\n", "bad integer"),
+    ],
 )
-def test_a_length_reply_that_is_no_integer_is_a_protocol_error(
-    peer: tuple[ReplyReader, socket.socket], stream: bytes, message: str
+def test_a_reply_of_another_kind_than_expected_is_a_protocol_error(
+    peer: tuple[ReplyReader, socket.socket], read: str, stream: bytes, message: str
 ) -> None:
     reader, theirs = peer
     theirs.sendall(stream)
     with pytest.raises(InvalidResponse, match=message):
-        reader.integer_reply()
+        getattr(reader, read)()
 
 
 def test_a_peer_hanging_up_inside_a_reply_is_a_connection_error(
