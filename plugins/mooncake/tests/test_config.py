@@ -118,6 +118,39 @@ def test_an_address_that_is_not_host_port_is_echoed_only_when_it_holds_nothing_e
 
 
 @pytest.mark.parametrize(
+    "value",
+    [
+        "http://10.0.0.1:8080/metadata",
+        "https://meta.example:443/metadata",
+        "etcd://10.0.0.1:2379",
+        "redis://10.0.0.1:6379",
+        "10.0.0.1:2379",
+        "10.0.0.1:2379;10.0.0.2:2379",
+        "P2PHANDSHAKE",
+    ],
+)
+def test_every_kind_of_metadata_service_mooncake_reaches_is_accepted(value: str) -> None:
+    assert decode(metadata_server=value).metadata_server == value
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        # Each was retried by Mooncake at every set-up attempt, ~10 s apiece, before failing.
+        ("127.0.0.1:8080/metadata", "'127.0.0.1:8080/metadata' is neither a URL"),
+        ("http//127.0.0.1:8080/metadata", "'http//127.0.0.1:8080/metadata' is neither a URL"),
+        ("localhost", "'localhost' is neither a URL"),
+        ("htp://127.0.0.1:8080/metadata", "the scheme is not one of http, https, etcd, redis"),
+        ("http:///metadata", "is a URL without a host"),
+    ],
+)
+def test_a_metadata_server_mooncake_cannot_reach_is_refused_by_name(value: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as caught:
+        decode(metadata_server=value)
+    assert str(caught.value).endswith("metadata_server`")
+
+
+@pytest.mark.parametrize(
     "fields",
     [
         {"metadata_server": "http://admin:hunter2@10.0.0.1:8080/metadata"},

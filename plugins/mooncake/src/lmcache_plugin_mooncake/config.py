@@ -36,7 +36,9 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 _PREFIX = re.compile(r"^[A-Za-z0-9._:/-]{1,64}$")
 _HOST_PORT = re.compile(r"^[A-Za-z0-9._\[\]:-]+:\d{1,5}$")
-_SAFE_ADDRESS = re.compile(r"^[A-Za-z0-9._\[\]:-]{0,300}$")
+_SAFE_ADDRESS = re.compile(r"^[A-Za-z0-9._\[\]:/-]{0,300}$")
+#: the kinds of metadata service Mooncake connects to by URL
+_METADATA_SCHEMES = ("http", "https", "etcd", "redis")
 
 Size = Annotated[
     int | str,
@@ -69,6 +71,27 @@ def _shown(address: str) -> str:
     """``address`` quoted for an error line when it holds only host:port characters; anything
     else (a query string, a token) is not echoed."""
     return repr(address) if _SAFE_ADDRESS.match(address) else "the value given"
+
+
+def _metadata_service_shape_error(value: str) -> str | None:
+    """Why ``value`` names no metadata service Mooncake can reach, or None.  Mooncake
+    takes ``P2PHANDSHAKE``, an http(s), etcd or redis URL, or etcd's bare ``host:port``
+    endpoints; anything else (a URL missing its scheme or with a misspelt one, a host
+    without a port) it retried at every set-up attempt, about ten seconds each, before
+    failing."""
+    if value == "P2PHANDSHAKE":
+        return None
+    if "://" in value:
+        parts = urlsplit(value)
+        if parts.scheme not in _METADATA_SCHEMES:
+            return f"{_shown(value)}: the scheme is not one of {', '.join(_METADATA_SCHEMES)}"
+        if not parts.hostname:
+            return f"{_shown(value)} is a URL without a host"
+        return None
+    endpoints = value.replace(";", ",").split(",")
+    if all(_HOST_PORT.match(endpoint) for endpoint in endpoints):
+        return None
+    return f"{_shown(value)} is neither a URL (http://host:port/metadata), host:port (etcd) nor P2PHANDSHAKE"
 
 
 def _has_credentials(address: str) -> bool:
@@ -141,8 +164,9 @@ class MooncakeStoreConfig(L2AdapterConfig):
             min_length=1,
             max_length=1024,
             description=(
-                "Mooncake's metadata service, handed to Mooncake as is: e.g. "
-                "http://host:8080/metadata (mooncake_master --enable_http_metadata_server)."
+                "Mooncake's metadata service, handed to Mooncake as is: an http(s), etcd or "
+                "redis URL (http://host:8080/metadata for mooncake_master "
+                "--enable_http_metadata_server), etcd's host:port, or P2PHANDSHAKE."
             ),
         ),
     ] = "http://127.0.0.1:8080/metadata"
@@ -247,6 +271,9 @@ class MooncakeStoreConfig(L2AdapterConfig):
                     "credentials are not accepted here (they would show in --print-config and logs); "
                     "give them to Mooncake through its environment",
                 )
+        metadata_error = _metadata_service_shape_error(self.metadata_server)
+        if metadata_error is not None:
+            raise FieldError("metadata_server", metadata_error)
         given = "master_server_address" if self.master_server_addr is None else "master_server_addr"
         self._fold_master_alias()
         if not _HOST_PORT.match(self.master_server_address):
