@@ -62,7 +62,8 @@ What each kind of plugin needs:
   whether a directory takes
   ``O_DIRECT``: ``direct_io_refusal``;
 * tests: ``L2AdapterSuite`` (``PERSISTENCE``, ``CAPACITY``, ``EVICTION``, ``IMMEDIATE_MISSES``,
-  ``IMMEDIATE_HITS``, ``BACKEND_FAILURES``), ``SerdeSuite``
+  ``IMMEDIATE_HITS``, ``BACKEND_FAILURES``; ``DeflateSerde`` runs it on frames that change
+  size), ``SerdeSuite``
   (``LOSSLESS``, ``DETECTS_CORRUPTION``, ``BINDS_KEY``),
   ``StorePolicySuite``, ``PrefetchPolicySuite``, ``EvictionPolicySuite`` (``EVICTS``,
   ``RECENCY``, ``LOADS_EVERY_HIT``, ``STORES_EVERYWHERE``), ``ComponentSuite``,
@@ -211,6 +212,7 @@ if TYPE_CHECKING:
         IMMEDIATE_HITS,
         IMMEDIATE_MISSES,
         PERSISTENCE,
+        DeflateSerde,
         L2AdapterSuite,
     )
     from lmcache_tiers.testing.policies import (
@@ -331,6 +333,7 @@ _LAZY = {
     "decode_request": "lmcache_tiers.wire.decoding",
     "ComponentSuite": "lmcache_tiers.testing.base",
     "L2AdapterSuite": "lmcache_tiers.testing.l2",
+    "DeflateSerde": "lmcache_tiers.testing.l2",
     "PERSISTENCE": "lmcache_tiers.testing.l2",
     "BACKEND_FAILURES": "lmcache_tiers.testing.l2",
     "CAPACITY": "lmcache_tiers.testing.l2",
@@ -392,6 +395,7 @@ __all__ = [
     "ComponentSuite",
     "ConfigError",
     "ConnectionPeers",
+    "DeflateSerde",
     "DeleteFailures",
     "DirectoryInUseError",
     "DirectoryLock",

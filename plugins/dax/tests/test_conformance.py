@@ -16,6 +16,7 @@ from lmcache_tiers.plugin import (
     IMMEDIATE_HITS,
     IMMEDIATE_MISSES,
     PERSISTENCE,
+    DeflateSerde,
     L2AdapterSuite,
 )
 
@@ -52,4 +53,16 @@ class TestDaxTwoDevices(TestDaxFile):
                 DaxDevice(device_path=str(self.directory / "dax0.img"), max_dax_size_gb=SIZE_GB / 2),
                 DaxDevice(device_path=str(self.directory / "dax1.img"), max_dax_size_gb=SIZE_GB),
             ),
+        )
+
+
+class TestDaxFileWithSerde(TestDaxFile):
+    serde = (DeflateSerde(),)
+
+    def make_config(self) -> DaxConfig:
+        # Slots with room for the frames, a little over the objects.
+        slot = SLOT + 4096
+        size_gb = (4096 + 64 * (4096 + slot)) / (1 << 30)
+        return DaxConfig(
+            device_path=str(self.directory / "dax0.img"), max_dax_size_gb=size_gb, slot_bytes=slot
         )

@@ -16,6 +16,7 @@ from lmcache_tiers.plugin import (
     IMMEDIATE_HITS,
     IMMEDIATE_MISSES,
     PERSISTENCE,
+    DeflateSerde,
     L2AdapterSuite,
 )
 
@@ -31,6 +32,7 @@ class TestRawBlockFile(L2AdapterSuite):
     # Usage is the fraction of slots taken; deletes free slots; objects survive restarts.
     capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION, IMMEDIATE_MISSES, IMMEDIATE_HITS})
     use_odirect = True
+    slot_bytes = SLOT
 
     @pytest.fixture(autouse=True)
     def _device_file(self) -> Iterator[None]:
@@ -43,8 +45,8 @@ class TestRawBlockFile(L2AdapterSuite):
     def make_config(self) -> RawBlockConfig:
         return RawBlockConfig(
             device_path=self.device_path,
-            slot_bytes=SLOT,
-            capacity_bytes=META + SLOTS * SLOT,
+            slot_bytes=self.slot_bytes,
+            capacity_bytes=META + SLOTS * self.slot_bytes,
             use_odirect=self.use_odirect,
         )
 
@@ -53,3 +55,8 @@ class TestRawBlockBufferedFile(TestRawBlockFile):
     """The same suite through the page cache (use_odirect false)."""
 
     use_odirect = False
+
+
+class TestRawBlockFileWithSerde(TestRawBlockFile):
+    serde = (DeflateSerde(),)
+    slot_bytes = SLOT + 4096  # room for the frames, a little over the objects

@@ -40,8 +40,11 @@ class L2CapabilityTests(L2SuiteBase):
         result = self.client(reopened).lookup_and_lock(keys)
         assert result.found == [True] * 4
         assert result.sizes == [len(d) for d in data]
-        assert reopened.used_bytes() == sum(len(d) for d in data)
-        by_salt = {"": sum(map(len, data[:3])), "tenant-a": len(data[3])}
+        assert reopened.used_bytes() == self.stored_bytes(keys, data)
+        by_salt = {
+            "": self.stored_bytes(keys[:3], data[:3]),
+            "tenant-a": self.stored_bytes(keys[3:], data[3:]),
+        }
         assert nonzero(reopened.used_bytes_by_salt()) == by_salt
         loaded, contents = self.load(reopened, pool, keys, result.sizes)
         assert loaded == [True] * 4 and contents == data
@@ -54,14 +57,14 @@ class L2CapabilityTests(L2SuiteBase):
         reopened, keys, data = self._stored_then_reopened(adapter, pool, reopen_adapter, 2)
         self.wait_scanned(reopened)
         # Before any lookup: the start-up scan accounted what the backend holds.
-        assert reopened.used_bytes() == sum(len(d) for d in data)
+        assert reopened.used_bytes() == self.stored_bytes(keys, data)
         assert nonzero(reopened.used_bytes_by_salt()) == {
-            "": sum(map(len, data[:3])),
-            "tenant-a": sum(map(len, data[3:])),
+            "": self.stored_bytes(keys[:3], data[:3]),
+            "tenant-a": self.stored_bytes(keys[3:], data[3:]),
         }
         self._check_usage(reopened)
         assert reopened.delete(keys[:1]) == [True]
-        assert reopened.used_bytes() == sum(len(d) for d in data[1:])
+        assert reopened.used_bytes() == self.stored_bytes(keys[1:], data[1:])
 
     @requires(PERSISTENCE)
     def test_every_key_field_survives_reopening(
@@ -91,7 +94,7 @@ class L2CapabilityTests(L2SuiteBase):
         # Before any lookup: a listing that still names deleted objects accounts bytes
         # that are not there and offers them to the eviction policy.
         assert set(reopened.iter_keys()) == {keys[2]}, "the listing after reopening names deleted keys"
-        assert reopened.used_bytes() == len(data[2])
+        assert reopened.used_bytes() == self.stored_bytes(keys[2:], data[2:])
         loaded, contents = self.lookup_and_load(reopened, pool, keys)
         assert loaded == [False, False, True]
         assert contents[2] == data[2]
@@ -108,7 +111,7 @@ class L2CapabilityTests(L2SuiteBase):
         assert ok == [True, True]
         reopened = reopen_adapter(adapter)
         self.wait_scanned(reopened)
-        assert reopened.used_bytes() == sum(map(len, data)), "an older version was accounted"
+        assert reopened.used_bytes() == self.stored_bytes(keys, data), "an older version was accounted"
         loaded, contents = self.lookup_and_load(reopened, pool, keys)
         assert loaded == [True, True]
         assert contents == data, "an older version was loaded after reopening"
@@ -118,13 +121,14 @@ class L2CapabilityTests(L2SuiteBase):
         stored, refused = self._fill(adapter, pool)
         assert stored, "not even one object fitted"
         assert 0.0 < adapter.usage() <= 1.0
-        assert adapter.used_bytes() == self.object_size * len(stored)
+        expected = [pattern(index, self.object_size) for index in range(len(stored))]
+        assert adapter.used_bytes() == self.stored_bytes(stored, expected)
         assert self.client(adapter).lookup_and_lock([refused]).found == [False]
         # A backend with less room than it declares would make room by dropping objects
         # core admitted; what was stored before the refusal must all still be there.
         loaded, contents = self.lookup_and_load(adapter, pool, stored)
         assert loaded == [True] * len(stored), "objects stored before the adapter filled up were lost"
-        assert contents == [pattern(index, self.object_size) for index in range(len(stored))]
+        assert contents == expected
 
     @requires(CAPACITY, EVICTION)
     def test_deleting_frees_capacity(self, adapter: L2Adapter, pool: BufferPool) -> None:

@@ -57,5 +57,5 @@ class IntegrityTests(L2SuiteBase):
         ok, second = self.store(adapter, pool, [key], [self.object_size], seed=4)
         assert ok == [True]
         assert self.lookup_and_load(adapter, pool, [key]) == ([True], second), "the old version was loaded"
-        assert adapter.used_bytes() == self.object_size
+        assert adapter.used_bytes() == self.stored_bytes([key], second)
         self.assert_no_pins(adapter)

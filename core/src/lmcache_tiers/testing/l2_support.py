@@ -7,6 +7,7 @@ import contextlib
 import mmap
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -17,7 +18,9 @@ from lmcache_tiers.config import L2AdapterConfig
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, L2Adapter, create_adapter
 from lmcache_tiers.l2.context import buffer_address
+from lmcache_tiers.protocols import Serde
 from lmcache_tiers.registry import Kind
+from lmcache_tiers.serde import SerdeContext, encode_chain
 from lmcache_tiers.testing.base import ComponentSuite, capability
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 
@@ -198,6 +201,9 @@ class L2SuiteBase(ComponentSuite):
     max_fill_objects: ClassVar[int] = 512
     #: keys of the one large batch stored, loaded and deleted (objects of ~object_size/16)
     large_batch: ClassVar[int] = 40
+    #: the serde chain the adapter applies, in encoding order: one that changes sizes runs
+    #: the suite on records whose stored size is not the object's
+    serde: ClassVar[Sequence[Serde]] = ()
 
     # -- fixtures and hooks a plugin may override ---------------------------------------
 
@@ -208,7 +214,13 @@ class L2SuiteBase(ComponentSuite):
         return config
 
     def make_context(self, config: L2AdapterConfig, l1_buffer: memoryview) -> AdapterContext:
-        return AdapterContext(index=0, name=f"0:{self.component_name}", config=config, l1_buffer=l1_buffer)
+        return AdapterContext(
+            index=0,
+            name=f"0:{self.component_name}",
+            config=config,
+            serde=tuple(self.serde),
+            l1_buffer=l1_buffer,
+        )
 
     def open_adapter(self, config: L2AdapterConfig, l1_buffer: memoryview) -> L2Adapter:
         return create_adapter(
@@ -290,6 +302,16 @@ class L2SuiteBase(ComponentSuite):
         assert not changed, f"a store modified the buffers it stored from ({changed[0]} first)"
         return ok, data
 
+    def stored_bytes(self, keys: Sequence[ObjectKey], data: Sequence[bytes]) -> int:
+        """What ``used_bytes`` counts for ``data`` stored under ``keys``: the bytes the
+        serde chain encodes them to (the objects' own sizes without a chain)."""
+        if not self.serde:
+            return sum(map(len, data))
+        return sum(
+            len(encode_chain(self.serde, memoryview(d), SerdeContext(key=key, size=len(d))))
+            for key, d in zip(keys, data, strict=True)
+        )
+
     def load(
         self, adapter: L2Adapter, pool: BufferPool, keys: Sequence[ObjectKey], sizes: Sequence[int]
     ) -> tuple[list[bool], list[bytes]]:
@@ -339,6 +361,20 @@ class L2SuiteBase(ComponentSuite):
             f"{self.max_fill_objects} objects of {self.object_size} bytes all fit; "
             "configure a smaller capacity for the capacity tests"
         )
+
+
+class DeflateSerde:
+    """A lossless serde whose frames are not their objects' sizes (the suite's random bytes
+    grow a little under deflate): ``serde = (DeflateSerde(),)`` runs the suite with slots,
+    capacity and restarts accounted on encoded sizes, as a compressing chain stores them."""
+
+    name = "deflate"
+
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
+        return zlib.compress(data, 1)
+
+    def decode(self, data: memoryview, context: SerdeContext) -> bytes:
+        return zlib.decompress(data)
 
 
 def nonzero(by_salt: dict[str, int]) -> dict[str, int]:
