@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from lmcache_plugin_fs import FsConfig
 from lmcache_plugin_fs.local_io import LocalRecords
 from lmcache_plugin_fs.remote import RemoteRecords, shown
+from lmcache_plugin_fs.rename_probe import check_renames_into_root
 from lmcache_plugin_fs.temp_dirs import TempDirRecord
 from lmcache_plugin_fs.unrecorded_temp_dirs import report_unrecorded_in_listing, report_unrecorded_temp_dirs
 from lmcache_tiers.plugin import (
@@ -161,6 +162,8 @@ class FsBackend:
             raise
         layout = FileLayout(lock.root, shard_dirs=config.shard_dirs, temp_dir=config.relative_tmp_dir)
         try:
+            if self._temp_lock is not None and layout.temp_dir is not None:
+                check_renames_into_root(layout.temp_dir, layout.root)
             files = LocalFiles(
                 layout,
                 name=context.name,
