@@ -51,6 +51,7 @@ from lmcache_tiers.frontend import Frontend, FrontendStats, check_frontends, cre
 from lmcache_tiers.l2.scan_progress import watch_scans
 from lmcache_tiers.registry import ComponentRegistry, Kind
 from lmcache_tiers.server.banner import start_banner, stop_summary
+from lmcache_tiers.server.console import ServeConsole
 from lmcache_tiers.server.flush import ABANDONED_FAILURES, flush_l2, pending_l2_stores
 from lmcache_tiers.server.heap import start_up_heap_frozen
 from lmcache_tiers.server.http import HttpEndpoint
@@ -613,7 +614,7 @@ def run_server(
     signal's number when a signal interrupted start-up).  ``name_setting`` rewords a
     refusal found at start-up (``serve`` names a setting by the flag that set it)."""
     configure_logging()
-    console = Console(highlight=False)
+    console = ServeConsole(highlight=False)
     errors = Console(stderr=True, highlight=False, soft_wrap=True)  # one line, whatever the width
     token = config.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None
     hooks = _plugin_hooks()
