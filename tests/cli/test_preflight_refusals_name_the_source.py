@@ -87,3 +87,24 @@ def test_an_l1_too_large_in_the_config_file_is_named_by_its_key(tmp_path: Path) 
 def test_an_l1_too_large_by_its_flag_is_named_by_the_flag() -> None:
     line = _serve_refused(["--metrics-port", "0"], size=["--l1-size-gb", "100000"])
     assert line.startswith("error: --l1-size-gb 100000: /dev/shm has"), line
+
+
+def test_a_front_end_port_in_use_set_in_the_config_file_is_named_by_the_file(
+    taken_port: int, tmp_path: Path
+) -> None:
+    config = tmp_path / "server.toml"
+    config.write_text(f'[[frontends]]\ntype = "native"\nport = {taken_port}\n')
+    line = _serve_refused(["--metrics-port", "0", "--config", str(config)])
+    in_use = f"$.frontends[0].port {taken_port}: 127.0.0.1:{taken_port} is already in use"
+    assert line.startswith(f"error: --config {config}: {in_use}"), line
+
+
+def test_a_front_end_port_in_use_set_by_its_flag_does_not_name_the_config_file(
+    taken_port: int, tmp_path: Path
+) -> None:
+    config = tmp_path / "server.toml"
+    config.write_text('[[frontends]]\ntype = "native"\n')
+    frontend = f'{{"type": "native", "port": {taken_port}}}'
+    line = _serve_refused(["--metrics-port", "0", "--config", str(config), "--frontend", frontend])
+    in_use = f"$.frontends[0].port {taken_port}: 127.0.0.1:{taken_port} is already in use"
+    assert line.startswith(f"error: {in_use}"), line

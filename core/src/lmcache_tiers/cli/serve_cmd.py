@@ -406,6 +406,8 @@ _AT_FIELD = re.compile(r" - at `\$\.(\w+)`$")
 _AT_ANY_FIELD = re.compile(r" - at `\$[^`]*`$")
 #: the top-level field of any config path an error names (``$.l2_adapters[0].path``)
 _AT_TOP_FIELD = re.compile(r" - at `\$\.(\w+)[^`]*`$")
+#: the top-level field of a config path a refusal names its setting by
+_TOP_OF_PATH = re.compile(r"\$\.(\w+)")
 
 
 @dataclass(frozen=True)
@@ -449,7 +451,9 @@ def name_flag(
         source = _source_of(exc.setting, given, variables)
         if source is not None:
             return exc.with_name(source)
-        field: str | None = exc.setting
+        # a setting inside a table (`$.frontends[0].port`) is the file's when its table is
+        inside = _TOP_OF_PATH.match(exc.setting)
+        field: str | None = exc.setting if inside is None else inside.group(1)
     else:
         found = _AT_FIELD.search(str(exc))
         if found is not None:
