@@ -306,3 +306,41 @@ def test_a_symlink_to_a_shard_shaped_directory_is_refused(tmp_path: Path) -> Non
     link.symlink_to(shard)
     with pytest.raises(ConfigError, match=r"named like a shard directory \(ab/cd\)"):
         parse(_dynamic_at(str(link)))
+
+
+@pytest.mark.parametrize(
+    "connection_string",
+    ["AccountKey=c2VjcmV0LWtleQ==;Garbage", "DefaultEndpointsProtocol=http;AccountKey=c2VjcmV0LWtleQ=="],
+)
+def test_an_azure_connection_string_naming_no_service_is_refused_unquoted(connection_string: str) -> None:
+    # Neither BlobEndpoint nor AccountName: no address of the blob service can be derived
+    # (the probe would have asked for "https://.blob.core.windows.net").
+    raw = {
+        "type": "nixl_store",
+        "backend": "AZURE_BLOB",
+        "backend_params": {"connection_string": connection_string, "container_name": "c"},
+        "pool_size": 4,
+    }
+    with pytest.raises(ConfigError) as caught:
+        parse(raw)
+    text = str(caught.value)
+    assert text.startswith(
+        "nixl_store: backend_params.connection_string names neither BlobEndpoint nor AccountName"
+    )
+    assert "$.l2_adapters[0].backend_params.connection_string" in text
+    assert "c2VjcmV0" not in text
+
+
+def test_an_azure_connection_string_naming_its_account_or_endpoint_is_accepted() -> None:
+    for connection_string in (
+        "DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=k;EndpointSuffix=core.windows.net",
+        "AccountName=devstoreaccount1;AccountKey=k;BlobEndpoint=http://127.0.0.1:10000/devstoreaccount1;",
+        "BlobEndpoint=https://acct.blob.core.windows.net/;SharedAccessSignature=sv=1&sig=s",
+    ):
+        raw = {
+            "type": "nixl_store",
+            "backend": "AZURE_BLOB",
+            "backend_params": {"connection_string": connection_string, "container_name": "c"},
+            "pool_size": 4,
+        }
+        assert parse(raw).config.string_params["connection_string"] == connection_string

@@ -127,3 +127,26 @@ def test_nixl_obj_backend_itself_ignores_proxy_variables(s3_endpoint: str) -> No
         assert report["stored"] == [True, True, True, False] and report["equal"] == [True] * 3
         with pytest.raises(BlockingIOError):
             proxy.accept()  # no request went to the proxy
+
+
+@pytest.mark.parametrize(
+    "account_url",
+    ["http://acct..blob.internal:10000/dev", "http://" + "a" * 64 + ".blob.internal/dev"],
+    ids=["empty label", "label over 63 characters"],
+)
+def test_a_host_name_that_cannot_be_encoded_is_refused_as_such(account_url: str) -> None:
+    # The real resolver: getaddrinfo raises UnicodeError (not OSError) for a name IDNA cannot
+    # encode, which the lookup thread must turn into the reason rather than let it escape
+    # as a thread traceback and be told as a lookup that did not finish in time.
+    escaped: list[BaseException | None] = []
+    previous = threading.excepthook
+    threading.excepthook = lambda args: escaped.append(args.exc_value)
+    try:
+        with pytest.raises(ConfigError) as caught:
+            check_remote_endpoint("AZURE_BLOB", {"account_url": account_url}, timeout=5)
+    finally:
+        threading.excepthook = previous
+    message = str(caught.value)
+    assert "is not a valid host name" in message
+    assert "did not resolve" not in message
+    assert escaped == []

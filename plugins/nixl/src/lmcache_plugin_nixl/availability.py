@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from lmcache_plugin_nixl.config import connection_string_fields
 from lmcache_tiers.plugin import BackendUnavailableError, ConfigError, direct_io_refusal
 
 #: Backends that go through NVIDIA GPUDirect Storage and so need cuFile and a GPU.
@@ -63,9 +64,7 @@ def azure_blob_endpoint(params: dict[str, str]) -> tuple[str, str]:
     url = params.get("account_url", "").strip()
     if url:
         return url, "account_url"
-    fields = dict(
-        part.split("=", 1) for part in params.get("connection_string", "").split(";") if "=" in part
-    )
+    fields = connection_string_fields(params.get("connection_string", ""))
     if fields.get("BlobEndpoint"):
         return fields["BlobEndpoint"], "connection_string"
     protocol = fields.get("DefaultEndpointsProtocol", "https")
@@ -125,6 +124,10 @@ def connect_within(host: str, port: int, timeout: float, resolve: Resolver = _ge
             outcome.append(resolve(host, port))
         except OSError as exc:
             outcome.append(exc)
+        except ValueError as exc:
+            # getaddrinfo raises UnicodeError for a name IDNA cannot encode (an empty label,
+            # one over 63 characters) and ValueError for a NUL in it: the name is the fault.
+            outcome.append(OSError(f"{host!r} is not a valid host name ({exc})"))
         finally:
             resolved.set()
 

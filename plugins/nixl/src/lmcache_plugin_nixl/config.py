@@ -112,6 +112,26 @@ def _refuse_credentials_in_endpoints(params: dict[str, str]) -> None:
             )
 
 
+def connection_string_fields(connection_string: str) -> dict[str, str]:
+    """The ``Name=value`` fields of an Azure storage connection string."""
+    return dict(part.split("=", 1) for part in connection_string.split(";") if "=" in part)
+
+
+def _check_azure_service_named(params: dict[str, str]) -> None:
+    """Without ``account_url``, the connection string must say where the blob service
+    is (``BlobEndpoint``, or ``AccountName`` for Azure's own), as the SDK requires; the
+    refusal does not quote it (it holds the account key)."""
+    if params.get("account_url"):
+        return
+    fields = connection_string_fields(params.get("connection_string", ""))
+    if not (fields.get("BlobEndpoint", "").strip() or fields.get("AccountName", "").strip()):
+        raise FieldError(
+            "backend_params.connection_string",
+            "backend_params.connection_string names neither BlobEndpoint nor AccountName, so "
+            "the blob service it is for cannot be told; give one of them (or account_url)",
+        )
+
+
 def _check_object_backend(params: dict[str, str], backend: str) -> None:
     _refuse_credentials_in_endpoints(params)
     for key in _FILE_KEYS:
@@ -128,6 +148,7 @@ def _check_object_backend(params: dict[str, str], backend: str) -> None:
                 "backend_params.account_url is required for the AZURE_BLOB backend "
                 "(or connection_string, e.g. for Azurite)",
             )
+        _check_azure_service_named(params)
         if not params.get("container_name"):
             raise FieldError(
                 "backend_params.container_name",
