@@ -6,8 +6,11 @@ without being quoted."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
+from test_obj_backend import BUCKET, child_env, s3_endpoint  # noqa: F401 - the S3 server fixture
 
 from lmcache_tiers.config import parse_adapter_json
 from lmcache_tiers.errors import ConfigError
@@ -44,3 +47,36 @@ def test_an_at_sign_past_the_authority_is_no_credential() -> None:
         "backend_params": {"bucket": "b", "endpoint_override": "http://10.0.0.1:9000/a@b"},
     }
     assert parse_adapter_json(load_registry(), json.dumps(raw), 0).type == "nixl_store"
+
+
+def test_two_obj_adapters_with_other_credentials_are_refused_without_showing_them(
+    s3_endpoint: str,  # noqa: F811 - the fixture imported above
+) -> None:
+    # One NIXL agent per process: the second adapter's OBJ parameters must equal the first's.
+    # The refusal names what differs; the keys themselves stay unshown.
+    adapters = [
+        {
+            "type": "nixl_store",
+            "backend": "OBJ",
+            "pool_size": 2,
+            "backend_params": {
+                "bucket": BUCKET,
+                "endpoint_override": s3_endpoint,
+                "access_key": f"access-{n}",
+                "secret_key": f"{SECRET}-{n}",
+            },
+        }
+        for n in (1, 2)
+    ]
+    command = [sys.executable, "-m", "lmcache_tiers.cli.main", "serve", "--l1-size-gb", "0.0625"]
+    command += ["--port", "0", "--metrics-port", "0"]
+    for adapter in adapters:
+        command += ["--l2-adapter", json.dumps(adapter)]
+    done = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr
+    assert "every adapter using OBJ must pass the same NIXL parameters" in errors[0]
+    assert "access_key, secret_key" in errors[0]
+    assert SECRET not in done.stderr + done.stdout
+    assert "access-1" not in done.stderr + done.stdout

@@ -221,10 +221,17 @@ class NixlRuntime:
             existing = self._backend_params.get(backend)
             if existing is not None:
                 if existing != init_params:
+                    # Named, not quoted: the values may be credentials (OBJ's secret_key).
+                    differing = sorted(
+                        key
+                        for key in set(existing) | set(init_params)
+                        if existing.get(key) != init_params.get(key)
+                    )
+                    verb = "differs" if len(differing) == 1 else "differ"
                     raise ConfigError(
-                        f"NIXL backend {backend} is already initialised in this process with "
-                        f"parameters {existing}; every adapter using {backend} must pass the "
-                        f"same NIXL parameters, got {init_params}"
+                        f"NIXL backend {backend} is already initialised in this process with other "
+                        f"parameters ({', '.join(differing)} {verb}); every adapter using {backend} "
+                        "must pass the same NIXL parameters"
                     )
                 return
             try:
