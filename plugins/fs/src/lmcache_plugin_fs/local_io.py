@@ -26,6 +26,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from contextlib import suppress
+from stat import S_ISREG
 
 import numpy as np
 
@@ -242,6 +243,10 @@ class LocalRecords:
             stat = os.stat(path)
         except ABSENT_FILE_ERRORS:
             return None  # other errors fail the lookup batch
+        if not S_ISREG(stat.st_mode):
+            # A directory (or another kind of file) someone made at the record's name holds
+            # no record: the key is absent, not a damaged record to remove.
+            return None
         header_len = self.sizes.length(key)
         stored = stat.st_size - header_len
         if stored < 0:

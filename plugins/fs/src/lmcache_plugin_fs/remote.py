@@ -246,11 +246,16 @@ class RemoteRecords:
             return None
 
     def _size_or_raise(self, path: str) -> int | None:
-        """The size of ``path``, None if it is absent; other errors raise."""
+        """The size of ``path``, None if it is absent -- or a directory, which holds no
+        record (its size is the directory's own, which read as a record's would make a
+        hit of it, or a damaged record to remove); other errors raise."""
         try:
-            size = self.fs.info(path).get("size")
+            info = self.fs.info(path)
         except FileNotFoundError:
             return None
+        if info.get("type") == "directory":
+            return None
+        size = info.get("size")
         return int(size) if size is not None else None
 
     def stored_size(self, key: ObjectKey) -> int | ObjectSize | None:
