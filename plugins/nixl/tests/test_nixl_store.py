@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import shutil
 import signal
 import threading
 from collections.abc import Iterator
@@ -858,3 +859,27 @@ def test_close_keeps_the_l1_arena_registered_under_a_transfer_in_progress(
         assert registered_under_transfer, "close deregistered the L1 arena under a transfer in progress"
         assert host._arena_registration is None, "the last call did not deregister the L1 arena"
         assert held.backend._storage._buffered == []
+
+
+def test_a_removed_directory_leaves_the_pool_serving_from_its_open_slot_files() -> None:
+    # The slot files stay open for the pool's life: their names going does not lose what
+    # they hold, later stores land in them too, and nothing is created again at the path.
+    arena = Arena()
+    with scratch_dir() as outer:
+        directory = os.path.join(outer, "pool")
+        adapter = open_pool(pool_config(directory, pool_size=4), arena.view)
+        try:
+            keys = make_keys(4)
+            data = [pattern(20 + i, SIZE) for i in range(4)]
+            assert client(adapter).store(keys[:2], [arena.filled(d) for d in data[:2]]) == [True, True]
+            shutil.rmtree(directory)
+            assert client(adapter).store(keys[2:], [arena.filled(d) for d in data[2:]]) == [True, True]
+            assert client(adapter).lookup_and_lock(keys).found == [True] * 4
+            buffers = [arena.take(SIZE) for _ in range(4)]
+            assert client(adapter).load(keys, buffers) == [True] * 4
+            assert [bytes(b) for b in buffers] == data
+            adapter.unlock(keys)
+            assert not os.path.exists(directory)
+            assert "root_recreated" not in adapter.stats()
+        finally:
+            adapter.close()
