@@ -74,6 +74,16 @@ def test_every_valid_key_has_a_recognised_path_inside_the_root(
     assert posixpath.normpath(layout.temp_path(key)).startswith("/srv/cache/tmp/")
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_root_of_slash_owns_the_records_it_puts_there(sharded: bool) -> None:
+    # A URL naming a filesystem's top (dir:// over a directory, memory://) has the root "/".
+    key = ObjectKey("llama", 3, bytes.fromhex("abcd" + "01" * 30))
+    layout = FileLayout("/", shard_dirs=sharded)
+    directory = layout.directory_for(key)
+    assert layout.owns(directory, key) and layout.owns(directory + "/", key)
+    assert not layout.owns("/elsewhere", key)
+
+
 def test_plain_names_keep_the_names_of_earlier_caches() -> None:
     key = ObjectKey("llama", 3, bytes.fromhex("abcd" + "01" * 30), 1, "t")
     assert record_name(key) == key.file_stem() + ".bin"

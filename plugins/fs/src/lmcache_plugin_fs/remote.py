@@ -89,16 +89,6 @@ def _raise_unless_not_found(exc: BaseException) -> None:
         raise exc
 
 
-def _where_layout_puts(layout: FileLayout, directory: str, key: ObjectKey) -> bool:
-    """Whether a record of ``key`` listed in ``directory`` is where ``layout`` puts it.
-    A URL naming a filesystem's top (``dir://`` over a directory, ``memory://``) has the
-    root ``/``, which ``FileLayout.owns`` strips to nothing before comparing: the flat
-    layout's records, all in ``/``, would be reported misplaced and not accounted."""
-    if directory.rstrip("/") == "" and layout.directory_for(key) == "/":
-        return True
-    return layout.owns(directory, key)
-
-
 class RemoteRecords:
     """Reads and writes the record files of one ``fs`` adapter through an fsspec filesystem."""
 
@@ -463,7 +453,7 @@ class RemoteRecords:
                 continue
             if key is None:
                 continue  # a digest record judged above
-            if not _where_layout_puts(self.layout, directory, key):
+            if not self.layout.owns(directory, key):
                 misplaced.found(directory, key)
                 continue
             stored = size - self.sizes.length(key)

@@ -151,8 +151,9 @@ class FileLayout:
         return posixpath.join(directory, name)
 
     def owns(self, directory: str, key: ObjectKey) -> bool:
-        """Whether a record of ``key`` found in ``directory`` is where this layout puts it."""
-        return directory.rstrip("/") == self.directory_for(key)
+        """Whether a record of ``key`` found in ``directory`` is where this layout puts it
+        (a root of ``/`` stays ``/``: stripped to nothing, its flat records were misplaced)."""
+        return (directory.rstrip("/") or "/") == self.directory_for(key)
 
     def is_store_directory(self, directory: str) -> bool:
         """Whether ``directory`` is one a store's files may be in: the root, a shard
