@@ -19,6 +19,7 @@ from lmcache_tiers.testing.l2 import (
     EVICTION,
     IMMEDIATE_MISSES,
     PERSISTENCE,
+    DeflateSerde,
     L2AdapterSuite,
 )
 
@@ -57,6 +58,12 @@ class TestFsLocalDirect(TestFsLocal):
         )
 
 
+class TestFsLocalWithSerde(TestFsLocal):
+    """Records whose payloads are not their objects' sizes, as a compressing chain writes."""
+
+    serde = (DeflateSerde(),)
+
+
 class TestFsUnbounded(FailingLocalDirectory, L2AdapterSuite):
     component_name = "fs"
     capabilities = frozenset({PERSISTENCE, IMMEDIATE_MISSES, BACKEND_FAILURES})
@@ -82,3 +89,7 @@ class TestFsMemory(L2AdapterSuite):
 
     def make_config(self) -> FsConfig:
         return FsConfig(path=self.url, max_capacity_gb=SUITE_CAPACITY_GB, shard_dirs=True)
+
+
+class TestFsMemoryWithSerde(TestFsMemory):
+    serde = (DeflateSerde(),)
