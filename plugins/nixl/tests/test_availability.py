@@ -89,12 +89,13 @@ def test_unknown_nixl_parameter_lists_what_the_plugin_accepts(backend_up: bool) 
             raw = msgspec.to_builtins(pool_config(directory + "/b"))
             raw["backend_params"]["use_urin"] = "true"
             config = msgspec.convert(raw, NixlStoreConfig)
-            with pytest.raises(ConfigError) as caught:
+            with pytest.raises(FieldError) as caught:
                 open_pool(config)
         finally:
             if first is not None:
                 first.close()
     assert "use_urin" in str(caught.value) and "use_uring" in str(caught.value)
+    assert caught.value.field == "backend_params.use_urin"
 
 
 def test_same_backend_with_other_nixl_parameters_is_refused() -> None:

@@ -182,3 +182,35 @@ def test_direct_io_is_refused_where_the_filesystem_does_not_take_it(tmp_path: Pa
         with pytest.raises(ConfigError, match=r'use_direct_io is "true" but .* does not support O_DIRECT'):
             check_direct_io(str(tmp_path / "ramfs"))
         assert os.listdir(tmp_path / "ramfs") == [], "the probe leaves nothing behind"
+
+
+def test_serve_names_the_adapter_and_path_of_a_misspelt_nixl_parameter(tmp_path: Path) -> None:
+    adapters = [
+        {
+            "type": "nixl_store",
+            "backend": "POSIX",
+            "pool_size": 2,
+            "backend_params": {"file_path": str(tmp_path / "pool"), "use_direct_io": "false"},
+        },
+        {
+            "type": "nixl_store_dynamic",
+            "backend": "POSIX",
+            "backend_params": {
+                "file_path": str(tmp_path / "records"),
+                "use_direct_io": "false",
+                "max_capacity_gb": "1",
+                "use_urin": "true",
+            },
+        },
+    ]
+    command = [*CLI, "serve", "--l1-size-gb", "0.0625", "--port", "0", "--metrics-port", "0"]
+    for adapter in adapters:
+        command += ["--l2-adapter", json.dumps(adapter)]
+    done = subprocess.run(command, env=unset_module_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr
+    assert "backend_params use_urin not understood by NIXL's POSIX plugin" in errors[0]
+    assert "nixl_store_dynamic" in errors[0]
+    assert errors[0].endswith("- at `$.l2_adapters[1].backend_params.use_urin`")
+    assert "Traceback" not in done.stderr

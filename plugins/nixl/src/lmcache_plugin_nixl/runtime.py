@@ -33,7 +33,7 @@ from lmcache_plugin_nixl.availability import (
     check_remote_endpoint,
     describe_missing_plugin,
 )
-from lmcache_tiers.plugin import BackendUnavailableError, ConfigError, TiersError
+from lmcache_tiers.plugin import BackendUnavailableError, ConfigError, FieldError, TiersError
 
 log = logging.getLogger(__name__)
 
@@ -214,9 +214,11 @@ class NixlRuntime:
             options = self._plugin_options(backend)
             unknown = sorted(set(init_params) - set(options))
             if options and unknown:
-                raise ConfigError(
+                # A FieldError, so that start-up names the adapter and the key's path.
+                raise FieldError(
+                    f"backend_params.{unknown[0]}",
                     f"backend_params {', '.join(unknown)} not understood by NIXL's {backend} "
-                    f"plugin; it accepts: {', '.join(sorted(options))}"
+                    f"plugin; it accepts: {', '.join(sorted(options))}",
                 )
             existing = self._backend_params.get(backend)
             if existing is not None:
