@@ -779,7 +779,8 @@ class StoreController(ControllerThread):
         # flagged as L1's only copy, counted lost again by an eviction before L1 closes.
         unsent: dict[int, L1Object] = {}
         after_delete, self._after_delete = self._after_delete, []
-        for piece in [*self._pacer.drop_all(), *after_delete]:
+        dropped = [*self._pacer.drop_all(), *after_delete]
+        for piece in dropped:
             ended[id(piece.batch)] = piece.batch
             for key in piece.keys:
                 if key not in piece.batch.stored:
@@ -799,7 +800,7 @@ class StoreController(ControllerThread):
             # force -- a forced clear, which leaves the store to count a loss, or an NVMe L1
             # write-back error, which counts the dropped copy, not the missing L2 one.
             try:
-                queued = list(self._still_in_l1({id(obj): obj for obj in queued}).values())
+                queued = list(self._still_in_l1({id(obj): obj for obj in queued}, dropped).values())
                 self.l1.settle_unstored([obj for batch in ended.values() for obj in batch.objects.values()])
                 self.l1.settle_unstored(queued)
             finally:
@@ -818,16 +819,24 @@ class StoreController(ControllerThread):
                 "%d committed keys were never stored in L2: the controller stopped first", len(queued)
             )
 
-    def _still_in_l1(self, objects: dict[int, L1Object]) -> dict[int, L1Object]:
+    def _still_in_l1(self, objects: dict[int, L1Object], slices: Sequence[Slice]) -> dict[int, L1Object]:
         """Those of ``objects`` still in L1: one that left it (cleared, evicted, deleted,
         written again) was counted then if its write was lost, and is skipped as gone, as
-        while running.  Once L1 is closed nothing tells them apart: all count."""
+        while running -- once per key of each of the ``slices`` given up (once per adapter
+        it was meant for, as ``_submit`` counts it), once for an object of a batch never
+        started.  Once L1 is closed nothing tells them apart: all count."""
         with self.l1.lock:
             if self.l1.closed:
                 return objects
-            kept = {ident: obj for ident, obj in objects.items() if self.l1.get(obj.key) is obj}
-        if len(kept) < len(objects):
-            self.stats.add("l2_store_skipped_gone", len(objects) - len(kept))
+            get = self.l1.get
+            kept = {ident: obj for ident, obj in objects.items() if get(obj.key) is obj}
+            in_slices = {id(piece.batch.objects[key]) for piece in slices for key in piece.keys}
+            gone = sum(1 for ident in objects.keys() - kept.keys() if ident not in in_slices)
+            gone += sum(
+                1 for piece in slices for key in piece.keys if get(key) is not piece.batch.objects[key]
+            )
+        if gone:
+            self.stats.add("l2_store_skipped_gone", gone)
         return kept
 
 
