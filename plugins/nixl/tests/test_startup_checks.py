@@ -17,6 +17,7 @@ import test_obj_backend
 from lmcache_plugin_nixl.availability import azure_blob_endpoint, check_remote_endpoint, obj_endpoint
 from test_obj_backend import HERE, s3_endpoint  # noqa: F401 - the S3 server fixture
 
+from lmcache_tiers.config import FieldError
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.l2.preflight import direct_io_refusal
 from lmcache_tiers.testing.ports import free_port
@@ -93,8 +94,9 @@ def test_obj_needs_a_bucket_and_a_reachable_endpoint_override() -> None:
     """NIXL creates an OBJ backend without contacting S3: an unreachable endpoint would
     fail every store only after the SDK's retries (tens of seconds each), and a missing
     bucket fails creation with a bare NIXL_ERR_BACKEND."""
-    with pytest.raises(ConfigError, match=r"backend_params\.bucket is required for the OBJ backend"):
+    with pytest.raises(FieldError, match=r"backend_params\.bucket is required for the OBJ backend") as caught:
         check_remote_endpoint("OBJ", {"endpoint_override": "http://127.0.0.1:1"}, environ={})
+    assert caught.value.field == "backend_params.bucket", "start-up names the adapter and the key's path"
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
@@ -179,8 +181,11 @@ def test_direct_io_is_refused_where_the_filesystem_does_not_take_it(tmp_path: Pa
     with tmpfs_at(str(tmp_path / "ramfs"), "mode=0700", fstype="ramfs") as refused:
         if refused is not None:
             pytest.skip(refused)
-        with pytest.raises(ConfigError, match=r'use_direct_io is "true" but .* does not support O_DIRECT'):
+        with pytest.raises(
+            FieldError, match=r'use_direct_io is "true" but .* does not support O_DIRECT'
+        ) as caught:
             check_direct_io(str(tmp_path / "ramfs"))
+        assert caught.value.field == "backend_params.use_direct_io", "start-up names the adapter and the path"
         assert os.listdir(tmp_path / "ramfs") == [], "the probe leaves nothing behind"
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from lmcache_plugin_nixl.config import connection_string_fields
-from lmcache_tiers.plugin import BackendUnavailableError, ConfigError, direct_io_refusal
+from lmcache_tiers.plugin import BackendUnavailableError, ConfigError, FieldError, direct_io_refusal
 
 #: Backends that go through NVIDIA GPUDirect Storage and so need cuFile and a GPU.
 CUFILE_BACKENDS: frozenset[str] = frozenset({"GDS", "GDS_MT"})
@@ -196,9 +196,10 @@ def check_remote_endpoint(
     """
     if backend == "OBJ":
         if not params.get("bucket", "").strip() and not environ.get("AWS_DEFAULT_BUCKET"):
-            raise ConfigError(
+            raise FieldError(
+                "backend_params.bucket",
                 "backend_params.bucket is required for the OBJ backend "
-                "(or the AWS_DEFAULT_BUCKET environment variable): the bucket holding the pool"
+                "(or the AWS_DEFAULT_BUCKET environment variable): the bucket holding the pool",
             )
         url, key = obj_endpoint(params, environ)
     elif backend == "AZURE_BLOB":
@@ -248,7 +249,8 @@ def check_direct_io(directory: str) -> None:
     at start-up with a probe file, rather than as EINVAL on every store later."""
     refusal = direct_io_refusal(directory)
     if refusal is not None:
-        raise ConfigError(
+        raise FieldError(
+            "backend_params.use_direct_io",
             f'use_direct_io is "true" but the filesystem of {directory} does not support '
-            f'O_DIRECT ({refusal}); set it to "false"'
+            f'O_DIRECT ({refusal}); set it to "false"',
         )
