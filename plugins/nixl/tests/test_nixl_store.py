@@ -27,6 +27,7 @@ from nixl_helpers import (
     still_open,
 )
 
+from lmcache_tiers.config import FieldError
 from lmcache_tiers.testing.l2 import make_keys, pattern
 
 SIZE = 64 << 10
@@ -883,3 +884,15 @@ def test_a_removed_directory_leaves_the_pool_serving_from_its_open_slot_files() 
             assert "root_recreated" not in adapter.stats()
         finally:
             adapter.close()
+
+
+def test_a_pool_beyond_the_open_file_limit_is_refused_naming_pool_size() -> None:
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > 1048576:
+        pytest.skip(f"the hard open-file limit ({hard}) is above the largest pool")
+    with scratch_dir() as directory:
+        with pytest.raises(FieldError) as caught:
+            open_pool(pool_config(directory, pool_size=hard))
+        assert caught.value.field == "pool_size", "start-up names the adapter and the value's path"
+        assert f"needs {hard} open files" in str(caught.value) and "lower pool_size" in str(caught.value)
+        assert os.listdir(directory) == [], "no slot file was created"

@@ -24,7 +24,7 @@ from typing import Protocol
 from lmcache_plugin_nixl.availability import check_direct_io
 from lmcache_plugin_nixl.memory import direct_io_ok
 from lmcache_plugin_nixl.runtime import NixlRuntime, Registration
-from lmcache_tiers.plugin import ConfigError, DirectoryLock
+from lmcache_tiers.plugin import DirectoryLock, FieldError
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +92,10 @@ def _ensure_fd_budget(needed: int) -> None:
     wanted = needed + 256
     if soft != resource.RLIM_INFINITY and soft < wanted:
         if hard != resource.RLIM_INFINITY and hard < wanted:
-            raise ConfigError(
+            raise FieldError(
+                "pool_size",
                 f"nixl_store needs {needed} open files for its pool but the open-file limit is "
-                f"{hard}; lower pool_size or raise the limit (ulimit -n)"
+                f"{hard}; lower pool_size or raise the limit (ulimit -n)",
             )
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
