@@ -16,6 +16,7 @@ from lmcache_tiers.controllers.l2_eviction import DELETE_BATCH, L2EvictionContro
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter
+from lmcache_tiers.l2.interface import L2Op
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import make_keys
 
@@ -86,6 +87,67 @@ def test_a_long_run_of_pinned_victims_is_skipped_and_eviction_goes_on(adapters: 
     assert set(pinned) <= stored, "a pinned key was deleted"
     assert "l2_eviction_delete_failed" not in controller.stats.failures(), "a pin is not a failure"
     adapter.unlock(pinned)
+
+
+class GatedPuts(DictBackend):
+    """A dict whose stores wait at ``gate`` (open by default) once in the backend call."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+
+    def put_many(self, keys: Sequence[ObjectKey], payloads: Sequence[memoryview]) -> list[bool]:
+        self.entered.set()
+        assert self.gate.wait(30)
+        return super().put_many(keys, payloads)
+
+
+@pytest.mark.parametrize("hold", ["pinned", "storing"])
+def test_victims_whose_pin_or_store_ends_as_their_delete_returns_are_no_failed_deletes(
+    adapters: list[BackendAdapter], monkeypatch: pytest.MonkeyPatch, hold: str
+) -> None:
+    # The delete refuses the oldest victims for core's own reasons -- a prefetch pinned them,
+    # or a store of them is in its backend call -- and that pin or store ends before the
+    # cycle asks why: the backend failed nothing.
+    adapter = full_adapter(adapters, GatedPuts)
+    backend = adapter.backend
+    assert isinstance(backend, GatedPuts)
+    controller = evicting(adapter)
+    keys = fill(adapter)
+    held = keys[:10]
+    client = BlockingAdapterClient(adapter)
+    if hold == "pinned":
+        assert client.lookup_and_lock(held).found == [True] * len(held)
+
+        def let_go() -> None:
+            adapter.unlock(held)
+
+    else:
+        backend.gate.clear()
+        backend.entered.clear()
+        task_id = adapter.submit_store(held, [memoryview(bytearray(SIZE)) for _ in held])
+        assert backend.entered.wait(10)
+
+        def let_go() -> None:
+            backend.gate.set()
+            assert client.wait(L2Op.STORE, task_id) == [True] * len(held)
+
+    delete = adapter.delete
+    pending = [let_go]
+
+    def delete_then_let_go(batch: Sequence[ObjectKey]) -> list[bool]:
+        deleted = delete(batch)
+        if pending and set(held) & set(batch):
+            pending.pop()()
+        return deleted
+
+    monkeypatch.setattr(adapter, "delete", delete_then_let_go)
+    controller.step(set())
+
+    assert not pending, "the held victims were offered"
+    assert "l2_eviction_delete_failed" not in controller.stats.failures()
 
 
 class Hung(DictBackend):

@@ -80,6 +80,8 @@ class BackendAdapter(L2Adapter):
         self.needs_l1_buffers = bool(getattr(backend, "needs_l1_buffers", False))
         self._closed = False
         self._lock = threading.Lock()
+        # The keys the last ``delete`` refused for core's own reasons (``pinned``).
+        self._refused: frozenset[ObjectKey] = frozenset()
         state.adapter = self
         concurrency = getattr(backend, "concurrency", None)
         #: the backend's ImmediateLookups method, when it has one
@@ -238,6 +240,7 @@ class BackendAdapter(L2Adapter):
             return [False] * len(keys)
         op = DeleteOp(self.state, keys)
         result: list[bool] = self.runner.call_now(op)
+        self._refused = op.refused
         if (op.unconfirmed or op.unaccounted) and not self._closed:
             # ``delete_many`` answers False for "absent" and for "could not remove" alike.
             # An accounted key that is absent was removed behind this adapter's back; asked
@@ -249,9 +252,12 @@ class BackendAdapter(L2Adapter):
         return result
 
     def pinned(self, keys: Sequence[ObjectKey]) -> list[bool]:
-        """Whether ``delete`` refuses each key now for core's own reasons: pinned, or a
-        store of it in flight -- not because the backend failed to remove it."""
-        return self.state.pins.busy(keys)
+        """Whether ``delete`` refuses each key now, or refused it at its last call, for
+        core's own reasons: pinned, a store of it in flight, or another delete working on
+        it -- not because the backend failed to remove it.  The last call's refusals count
+        too: a pin or store that ended since must not make one look like the backend's."""
+        refused = self._refused
+        return [busy or key in refused for key, busy in zip(keys, self.state.pins.busy(keys), strict=True)]
 
     def usage(self) -> float:
         return self.state.accounting.usage(self.capacity())

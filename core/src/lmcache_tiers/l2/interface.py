@@ -199,9 +199,10 @@ class L2Adapter(ABC):
         keys are not deleted (False)."""
 
     def pinned(self, keys: Sequence[ObjectKey]) -> list[bool]:
-        """Whether ``delete`` would refuse each key now for the adapter's own reasons
-        (pinned by a lookup or load, or a store of it in flight) rather than because the
-        backend failed to remove it (all False: cannot tell)."""
+        """Whether ``delete`` would refuse each key now, or refused it at its last call,
+        for the adapter's own reasons (pinned by a lookup or load, or a store of it in
+        flight) rather than because the backend failed to remove it (all False: cannot
+        tell)."""
         return [False] * len(keys)
 
     @abstractmethod

@@ -803,11 +803,16 @@ class DeleteOp(BatchOp):
         self.unaccounted: list[ObjectKey] = []
         #: keys this delete claimed, until ``finish`` has forgotten them and told listeners
         self.claimed: list[ObjectKey] = []
+        #: keys it did not claim: refused for core's own reasons, not the backend's
+        self.refused: frozenset[ObjectKey] = frozenset()
 
     def prepare(self) -> tuple[list[ObjectKey]]:
         state = self.state
         claims = state.pins.claim_delete(self.keys)
         self.io_index = [i for i, claim in enumerate(claims) if claim is Claim.CLAIMED]
+        self.refused = frozenset(
+            key for key, claim in zip(self.keys, claims, strict=True) if claim is not Claim.CLAIMED
+        )
         io_keys = self.io_keys()
         self.claimed = list(io_keys)
         state.count("delete_keys_skipped", len(self.keys) - len(self.io_index))
