@@ -142,12 +142,38 @@ def test_every_kind_of_metadata_service_mooncake_reaches_is_accepted(value: str)
         ("localhost", "'localhost' is neither a URL"),
         ("htp://127.0.0.1:8080/metadata", "the scheme is not one of http, https, etcd, redis"),
         ("http:///metadata", "is a URL without a host"),
+        # Mooncake matched the scheme as written and aborted the process on these.
+        ("HTTP://127.0.0.1:8080/metadata", "the scheme is not one of http, https, etcd, redis"),
+        (" http://127.0.0.1:8080/metadata", "holds a space or a line break"),
+        ("http://127.0.0.1:8080/metadata\n", "holds a space or a line break"),
+        # These were accepted, then reported as a metadata server not answering.
+        ("http://127.0.0.1:99999/metadata", "is not a valid URL"),
+        ("http://127.0.0.1:port/metadata", "is not a valid URL"),
+        ("http://127.0.0.1:0/metadata", "the port is not 1..65535"),
+        ("10.0.0.1:2379,10.0.0.2:99999", "a port is not 1..65535"),
+        # urlsplit's own error named no field.
+        ("http://[::1/metadata", "is not a valid URL"),
     ],
 )
 def test_a_metadata_server_mooncake_cannot_reach_is_refused_by_name(value: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match) as caught:
         decode(metadata_server=value)
     assert str(caught.value).endswith("metadata_server`")
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ("http://", "is a URL without a host"),
+        ("http://[::1", "is not a valid URL"),
+        ("http://127.0.0.1:99999", "is not a valid URL"),
+        ("HTTP://127.0.0.1:9003", "is not an http"),
+    ],
+)
+def test_a_master_metrics_url_without_a_host_and_port_is_refused_by_name(value: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as caught:
+        decode(master_metrics_url=value)
+    assert str(caught.value).endswith("master_metrics_url`")
 
 
 @pytest.mark.parametrize(

@@ -73,31 +73,53 @@ def _shown(address: str) -> str:
     return repr(address) if _SAFE_ADDRESS.match(address) else "the value given"
 
 
+def _url_error(value: str) -> str | None:
+    """Why ``value``, a URL, has no host and valid port to connect to, or None."""
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError:
+        return f"{_shown(value)} is not a valid URL (its host or port cannot be read)"
+    if not parts.hostname:
+        return f"{_shown(value)} is a URL without a host"
+    if port == 0:
+        return f"{_shown(value)}: the port is not 1..65535"
+    return None
+
+
 def _metadata_service_shape_error(value: str) -> str | None:
     """Why ``value`` names no metadata service Mooncake can reach, or None.  Mooncake
     takes ``P2PHANDSHAKE``, an http(s), etcd or redis URL, or etcd's bare ``host:port``
-    endpoints; anything else (a URL missing its scheme or with a misspelt one, a host
-    without a port) it retried at every set-up attempt, about ten seconds each, before
-    failing."""
+    endpoints, exactly as written: anything else (a URL missing its scheme or with a
+    misspelt one, a host without a port) it retried at every set-up attempt, about ten
+    seconds each, before failing, and a scheme it has no plugin for -- one in capitals,
+    or after a space -- aborted the process."""
     if value == "P2PHANDSHAKE":
         return None
+    if value != "".join(value.split()):
+        return f"{_shown(value)} holds a space or a line break, which Mooncake would take as part of it"
     if "://" in value:
-        parts = urlsplit(value)
-        if parts.scheme not in _METADATA_SCHEMES:
-            return f"{_shown(value)}: the scheme is not one of {', '.join(_METADATA_SCHEMES)}"
-        if not parts.hostname:
-            return f"{_shown(value)} is a URL without a host"
-        return None
+        scheme = value.partition("://")[0]
+        if scheme not in _METADATA_SCHEMES:
+            return f"{_shown(value)}: the scheme is not one of {', '.join(_METADATA_SCHEMES)} (in lower case)"
+        return _url_error(value)
     endpoints = value.replace(";", ",").split(",")
-    if all(_HOST_PORT.match(endpoint) for endpoint in endpoints):
-        return None
-    return f"{_shown(value)} is neither a URL (http://host:port/metadata), host:port (etcd) nor P2PHANDSHAKE"
+    if not all(_HOST_PORT.match(endpoint) for endpoint in endpoints):
+        return (
+            f"{_shown(value)} is neither a URL (http://host:port/metadata), host:port (etcd) nor P2PHANDSHAKE"
+        )
+    if not all(0 < int(endpoint.rpartition(":")[2]) < 65536 for endpoint in endpoints):
+        return f"{_shown(value)}: a port is not 1..65535"
+    return None
 
 
 def _has_credentials(address: str) -> bool:
     """True when ``address`` carries a user or password (``scheme://user:pass@host``)."""
     if "://" in address:
-        parts = urlsplit(address)
+        try:
+            parts = urlsplit(address)
+        except ValueError:  # refused by the URL checks, which must not echo a password
+            return "@" in address
         return parts.username is not None or parts.password is not None
     return "@" in address
 
@@ -282,11 +304,13 @@ class MooncakeStoreConfig(L2AdapterConfig):
             raise FieldError(given, f"{_shown(self.master_server_address)}: the port is not 1..65535")
         if not _PREFIX.match(self.key_prefix):
             raise FieldError("key_prefix", f"{self.key_prefix!r}: 1..64 of letters, digits and . _ : / -")
-        if self.master_metrics_url is not None and urlsplit(self.master_metrics_url).scheme not in (
-            "http",
-            "https",
-        ):
-            raise FieldError("master_metrics_url", f"{self.master_metrics_url!r} is not an http(s) URL")
+        if self.master_metrics_url is not None:
+            if self.master_metrics_url.partition("://")[0] not in ("http", "https"):
+                shown = _shown(self.master_metrics_url)
+                raise FieldError("master_metrics_url", f"{shown} is not an http(s) URL")
+            url_error = _url_error(self.master_metrics_url)
+            if url_error is not None:
+                raise FieldError("master_metrics_url", url_error)
         if self.eviction is not None and self.max_capacity_gb == 0:
             raise FieldError("eviction", "L2 eviction needs max_capacity_gb > 0 (0 means no limit)")
 
