@@ -32,6 +32,7 @@ from lmcache_plugin_mooncake.calls import CallPool, CallTimeout
 from lmcache_plugin_mooncake.config import MooncakeStoreConfig
 from lmcache_plugin_mooncake.diagnosis import unanswered_services, unreachable_service
 from lmcache_plugin_mooncake.headers import HeaderLanes, address_of
+from lmcache_plugin_mooncake.metadata_plugins import missing_metadata_plugin
 from lmcache_tiers.plugin import BackendUnavailableError, ConfigError, TiersError
 
 logger = logging.getLogger(__name__)
@@ -191,6 +192,9 @@ class Connection:
         server does not start with a config no attempt can serve, where it would retry
         for good as if the master did not answer."""
         self._module = import_store_module()
+        missing = missing_metadata_plugin(self._module, self.config.metadata_server)
+        if missing is not None:
+            raise ConfigError(f"{self.name}: metadata_server: {missing}")
         self._thread = threading.Thread(
             target=self._connect_loop, name=f"mooncake-{self.name}-connect", daemon=True
         )
