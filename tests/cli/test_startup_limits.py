@@ -163,6 +163,14 @@ def test_a_start_that_runs_out_of_open_files_anyway_is_one_line_naming_ulimit_n(
     ), result.stderr
 
 
+@pytest.mark.parametrize(("limit", "advised"), [(48, 1024), (1024, 2048), (20000, 40000)])
+def test_a_start_out_of_open_files_advises_a_hard_limit_above_the_one_it_ran_under(
+    limit: int, advised: int
+) -> None:
+    line = str(preflight.open_files_refusal(limit, while_starting=True))
+    assert line.endswith(f"raise the hard limit (ulimit -Hn {advised}, or LimitNOFILE= in a systemd unit)")
+
+
 def test_a_listener_that_runs_out_of_open_files_names_ulimit_n_not_its_port(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

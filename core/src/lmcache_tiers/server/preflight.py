@@ -105,10 +105,12 @@ def open_files_refusal(limit: int | None, *, while_starting: bool = False) -> Co
             f"serve needs at least {SERVE_OPEN_FILES} open files to start and about "
             f"{RECOMMENDED_OPEN_FILES} to serve many clients"
         )
-    # serve has already lifted its soft limit to the hard one: only the hard limit can help
+    # serve has already lifted its soft limit to the hard one: only the hard limit can help,
+    # raised past what it is (a start that ran out under 20000 is not helped by 1024)
+    suggested = RECOMMENDED_OPEN_FILES if limit is None or limit < RECOMMENDED_OPEN_FILES else 2 * limit
     return ConfigError(
         f"ulimit -n {shown}: {need}; raise the hard limit "
-        f"(ulimit -Hn {RECOMMENDED_OPEN_FILES}, or LimitNOFILE= in a systemd unit)"
+        f"(ulimit -Hn {suggested}, or LimitNOFILE= in a systemd unit)"
     )
 
 
