@@ -271,8 +271,11 @@ def _close_logging_failure(adapter: L2Adapter) -> None:
     raised, so what the close raises is logged (and counted by the adapter) instead."""
     try:
         adapter.close()
-    except Exception:
-        logger.exception("closing L2 adapter %s failed", adapter.name)
+    except Exception as exc:
+        # One line: the adapter's error says what failed (a file it could not remove); the
+        # traceback is for a developer, at debug.
+        logger.error("closing L2 adapter %s failed: %s: %s", adapter.name, type(exc).__name__, exc)
+        logger.debug("closing L2 adapter %s failed", adapter.name, exc_info=True)
 
 
 class StorageCloseFailed(TiersError):

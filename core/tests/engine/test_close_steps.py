@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 from engine_support import GatedStorePolicy, MiB, keys_of, mock, store
 
+from lmcache_tiers import storage_wiring
 from lmcache_tiers.controllers import base
 from lmcache_tiers.l2 import BackendAdapter
 from lmcache_tiers.storage import StorageCloseFailed
@@ -172,3 +173,22 @@ def test_a_failed_close_on_leaving_a_with_block_that_ended_well_raises(engine, m
 
 def _close_is_broken() -> None:
     raise OSError("checkpoint not written")
+
+
+def test_a_close_failing_after_a_failed_start_is_one_error_line_without_a_traceback(caplog) -> None:
+    # The start's own error is what the operator reads; the close's (a file it could not
+    # remove) is one line beside it, its traceback at debug only.
+    class Adapter:
+        name = "0:fs"
+
+        def close(self) -> None:
+            raise PermissionError(1, "Operation not permitted", "/srv/l2/x.bin")
+
+    with caplog.at_level(logging.DEBUG, logger="lmcache_tiers"):
+        storage_wiring._close_logging_failure(Adapter())  # type: ignore[arg-type]
+    errors = [record for record in caplog.records if record.levelno >= logging.ERROR]
+    assert [record.getMessage() for record in errors] == [
+        "closing L2 adapter 0:fs failed: PermissionError: [Errno 1] Operation not permitted: '/srv/l2/x.bin'"
+    ]
+    assert errors[0].exc_info is None
+    assert any(record.exc_info for record in caplog.records if record.levelno == logging.DEBUG)
