@@ -120,7 +120,8 @@ marker.write_text("")
 server = subprocess.Popen(["sleep", "600"])
 (here / "server.pid").write_text(str(server.pid))
 try:
-    time.sleep(600)
+    while True:
+        time.sleep(0.05)  # short: a signal landing just before one starts waits for its end
 finally:
     marker.unlink()
 """
