@@ -241,10 +241,17 @@ class StorageManager:
         room = self.l1.reclaimable_bytes()
         if need <= room:
             return room
+        capacity = self.l1.capacity_bytes
+        # All of L1 too small is another mistake (chunks sized for a larger L1) than L1
+        # held by readers and writers.
+        why = (
+            f"L1 holds only {capacity}"
+            if need > capacity
+            else f"at most {room} of {capacity} can be made free (the rest is locked or being written)"
+        )
         self._refuse_before_evicting(
             "l1_write_cannot_fit",
-            f"a store of {len(new_sizes)} new objects needs {need} bytes of L1, but at most {room} of "
-            f"{self.l1.capacity_bytes} can be made free (the rest is locked or being written)",
+            f"a store of {len(new_sizes)} new objects needs {need} bytes of L1, but {why}",
         )
 
     def _refuse_before_evicting(self, reason: str, why: str) -> NoReturn:

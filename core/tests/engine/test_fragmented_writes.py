@@ -161,6 +161,14 @@ def test_a_write_over_keys_being_loaded_that_cannot_fit_is_refused_before_evicti
     assert store(storage, loading, 40 * MiB) == loading  # fits once the load let go
 
 
+def test_a_write_larger_than_all_of_l1_is_refused_as_such(engine) -> None:
+    # Not "the rest is locked or being written": nothing is, L1 is too small for it.
+    storage = engine([])
+    with pytest.raises(L1OutOfMemoryError, match=r"needs 83886080 bytes of L1, but L1 holds only 67108864: "):
+        store(storage, keys_of(3, 1), 80 * MiB)
+    assert storage.failures()["l1_write_cannot_fit"] == 1
+
+
 def test_a_write_of_keys_mostly_present_evicts_the_room_of_its_new_ones(engine) -> None:
     # A batch whose first 20 keys are in L1 already (a prompt whose prefix was stored,
     # the most recently used of it) reserves only its 2 new ones: 2 MiB where 1 is free.
