@@ -7,7 +7,6 @@ import concurrent.futures
 import sys
 import threading
 import uuid
-import zlib
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -19,6 +18,7 @@ from lmcache_tiers.l2.record import RecordError, decode_record, verify_payload
 from lmcache_tiers.l2.runners import LoopRunner
 from lmcache_tiers.serde import Serde, SerdeContext
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
+from lmcache_tiers.testing.l2 import DeflateSerde
 
 # the tests' bounded poll, re-exported: one for core's tests and the plugins'
 from lmcache_tiers.testing.threads import DEADLINE_S
@@ -171,14 +171,8 @@ class Xor:
         return bytes(b ^ 0x5A for b in data)
 
 
-class Zlib:
-    name = "zlib"
-
-    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
-        return zlib.compress(data, 1)
-
-    def decode(self, data: memoryview, context: SerdeContext) -> bytes:
-        return zlib.decompress(data)
+#: a size-changing serde (deflate)
+Zlib = DeflateSerde
 
 
 def open_dict(

@@ -14,15 +14,13 @@ import pytest
 from l2_backends import _SPACES, AsyncDictBackend, DictBackend, DictConfig, Xor, Zlib, open_dict
 
 import lmcache_tiers.testing.base as testing_base
-from lmcache_tiers.config import L2AdapterConfig
 from lmcache_tiers.hookspecs import hookimpl
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2 import AdapterContext, BackendAdapter, BackendContext, L2Op, ObjectSize
+from lmcache_tiers.l2 import BackendAdapter, BackendContext, L2Op, ObjectSize
 from lmcache_tiers.l2.adapter import BackendCloseFailed, BackendCloseTimedOut
 from lmcache_tiers.l2.record import decode_record
 from lmcache_tiers.plugins import PluginSet
 from lmcache_tiers.registry import KindRegistry
-from lmcache_tiers.serde import Serde
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, L2AdapterSuite, make_keys
 from lmcache_tiers.testing.registries import plugins_with
@@ -45,7 +43,6 @@ def plugins_with_test_backends() -> PluginSet:
 class _DictSuite(L2AdapterSuite):
     capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION})
     records = False
-    serde: tuple[Serde, ...] = ()
 
     @pytest.fixture(autouse=True)
     def _test_plugins(self, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,11 +50,6 @@ class _DictSuite(L2AdapterSuite):
 
     def make_config(self) -> DictConfig:
         return DictConfig(namespace=uuid.uuid4().hex, capacity=256 << 10, records=self.records)
-
-    def make_context(self, config: L2AdapterConfig, l1_buffer: memoryview) -> AdapterContext:
-        return AdapterContext(
-            index=0, name=f"0:{self.component_name}", config=config, serde=self.serde, l1_buffer=l1_buffer
-        )
 
 
 class TestSyncBackend(_DictSuite):
@@ -211,7 +203,7 @@ def test_record_header_carries_the_l1_size_during_put(adapters: list[BackendAdap
     keys = make_keys(1)
     layout = f"uint8[{len(COMPRESSIBLE)}]"
     BlockingAdapterClient(adapter).store(keys, [memoryview(COMPRESSIBLE)], layouts=[layout])
-    header, payload = decode_record(_SPACES[namespace][keys[0]], expected_serde=("zlib",))
+    header, payload = decode_record(_SPACES[namespace][keys[0]], expected_serde=(Zlib.name,))
     assert header.l1_size == len(COMPRESSIBLE)
     assert header.layout == layout
     assert header.payload_len == len(payload) == adapter.used_bytes()
@@ -250,7 +242,7 @@ def test_overlapping_stores_of_one_key_each_write_their_own_header(adapters: lis
     assert client.store(keys, [memoryview(second)], layouts=["second"]) == [True]
     backend.release.set()
     assert client.wait(L2Op.STORE, held) == [True]
-    header, _ = decode_record(_SPACES[namespace][keys[0]], expected_serde=("zlib",))
+    header, _ = decode_record(_SPACES[namespace][keys[0]], expected_serde=(Zlib.name,))
     assert (header.l1_size, header.layout) == (len(first), "first"), "the header describes its payload"
     assert client.lookup_and_lock(keys).sizes == [len(first)]
     buffer = memoryview(bytearray(len(first)))
