@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +31,20 @@ from lmcache_tiers.serde import Serde
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.files import AlignedArena
 from lmcache_tiers.testing.l2 import make_keys, pattern
+
+
+def serve_refusal(adapters: list[dict[str, Any]], env: Mapping[str, str]) -> tuple[str, str]:
+    """(the one ``error:`` line, all output) of ``serve`` with ``adapters``, which must
+    refuse them at start-up (exit 2)."""
+    command = [sys.executable, "-m", "lmcache_tiers.cli.main", "serve", "--l1-size-gb", "0.0625"]
+    command += ["--port", "0", "--metrics-port", "0"]
+    for adapter in adapters:
+        command += ["--l2-adapter", json.dumps(adapter)]
+    done = subprocess.run(command, env=dict(env), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr
+    return errors[0], done.stderr + done.stdout
 
 
 @contextmanager

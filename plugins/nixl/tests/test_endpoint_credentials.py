@@ -6,10 +6,9 @@ without being quoted."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from nixl_helpers import serve_refusal
 from test_obj_backend import BUCKET, child_env, s3_endpoint  # noqa: F401 - the S3 server fixture
 
 from lmcache_tiers.config import parse_adapter_json
@@ -68,15 +67,8 @@ def test_two_obj_adapters_with_other_credentials_are_refused_without_showing_the
         }
         for n in (1, 2)
     ]
-    command = [sys.executable, "-m", "lmcache_tiers.cli.main", "serve", "--l1-size-gb", "0.0625"]
-    command += ["--port", "0", "--metrics-port", "0"]
-    for adapter in adapters:
-        command += ["--l2-adapter", json.dumps(adapter)]
-    done = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2, done.stderr[-2000:]
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, done.stderr
-    assert "every adapter using OBJ must pass the same NIXL parameters" in errors[0]
-    assert "access_key, secret_key" in errors[0]
-    assert SECRET not in done.stderr + done.stdout
-    assert "access-1" not in done.stderr + done.stdout
+    error, output = serve_refusal(adapters, child_env())
+    assert "every adapter using OBJ must pass the same NIXL parameters" in error
+    assert "access_key, secret_key" in error
+    assert SECRET not in output
+    assert "access-1" not in output

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import test_obj_backend
 from lmcache_plugin_nixl.availability import azure_blob_endpoint, check_remote_endpoint, obj_endpoint
+from nixl_helpers import serve_refusal
 from test_obj_backend import HERE, s3_endpoint  # noqa: F401 - the S3 server fixture
 
 from lmcache_tiers.config import FieldError
@@ -208,14 +209,8 @@ def test_serve_names_the_adapter_and_path_of_a_misspelt_nixl_parameter(tmp_path:
             },
         },
     ]
-    command = [*CLI, "serve", "--l1-size-gb", "0.0625", "--port", "0", "--metrics-port", "0"]
-    for adapter in adapters:
-        command += ["--l2-adapter", json.dumps(adapter)]
-    done = subprocess.run(command, env=unset_module_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2, done.stderr[-2000:]
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, done.stderr
-    assert "backend_params use_urin not understood by NIXL's POSIX plugin" in errors[0]
-    assert "nixl_store_dynamic" in errors[0]
-    assert errors[0].endswith("- at `$.l2_adapters[1].backend_params.use_urin`")
-    assert "Traceback" not in done.stderr
+    error, output = serve_refusal(adapters, unset_module_env())
+    assert "backend_params use_urin not understood by NIXL's POSIX plugin" in error
+    assert "nixl_store_dynamic" in error
+    assert error.endswith("- at `$.l2_adapters[1].backend_params.use_urin`")
+    assert "Traceback" not in output
