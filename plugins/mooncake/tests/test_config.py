@@ -123,6 +123,7 @@ def test_an_address_that_is_not_host_port_is_echoed_only_when_it_holds_nothing_e
         "http://10.0.0.1:8080/metadata",
         "https://meta.example:443/metadata",
         "etcd://10.0.0.1:2379",
+        "etcd://10.0.0.1:2379,10.0.0.2:2379",
         "redis://10.0.0.1:6379",
         "10.0.0.1:2379",
         "10.0.0.1:2379;10.0.0.2:2379",
@@ -151,6 +152,9 @@ def test_every_kind_of_metadata_service_mooncake_reaches_is_accepted(value: str)
         ("http://127.0.0.1:port/metadata", "is not a valid URL"),
         ("http://127.0.0.1:0/metadata", "the port is not 1..65535"),
         ("10.0.0.1:2379,10.0.0.2:99999", "a port is not 1..65535"),
+        # etcd's client took these as endpoints, stalling each set-up attempt ~5 s.
+        ("etcd://127.0.0.1", "etcd:// takes host:port endpoints"),
+        ("etcd://127.0.0.1:2379/metadata", "etcd:// takes host:port endpoints"),
         # urlsplit's own error named no field.
         ("http://[::1/metadata", "is not a valid URL"),
     ],

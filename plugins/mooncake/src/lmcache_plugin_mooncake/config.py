@@ -90,8 +90,8 @@ def _url_error(value: str) -> str | None:
 def _metadata_service_shape_error(value: str) -> str | None:
     """Why ``value`` names no metadata service Mooncake can reach, or None.  Mooncake
     takes ``P2PHANDSHAKE``, an http(s), etcd or redis URL, or etcd's bare ``host:port``
-    endpoints, exactly as written: anything else (a URL missing its scheme or with a
-    misspelt one, a host without a port) it retried at every set-up attempt, about ten
+    endpoints (also after ``etcd://``), exactly as written: anything else (a URL missing
+    its scheme or with a misspelt one, a host without a port) it retried at every set-up attempt, about ten
     seconds each, before failing, and a scheme it has no plugin for -- one in capitals,
     or after a space -- aborted the process."""
     if value == "P2PHANDSHAKE":
@@ -102,8 +102,20 @@ def _metadata_service_shape_error(value: str) -> str | None:
         scheme = value.partition("://")[0]
         if scheme not in _METADATA_SCHEMES:
             return f"{_shown(value)}: the scheme is not one of {', '.join(_METADATA_SCHEMES)} (in lower case)"
-        return _url_error(value)
-    endpoints = value.replace(";", ",").split(",")
+        if scheme != "etcd":
+            return _url_error(value)
+        # Mooncake hands what follows etcd:// to etcd's client as its endpoints: without a
+        # port each set-up attempt stalled the server ~5 s and failed.
+        if _endpoints_error(value) is not None:
+            return f"{_shown(value)}: etcd:// takes host:port endpoints 1..65535 (etcd://host:2379)"
+        return None
+    return _endpoints_error(value)
+
+
+def _endpoints_error(value: str) -> str | None:
+    """Why ``value`` is not etcd's ``host:port`` endpoints (separated by , or ;, each
+    perhaps after ``etcd://``), or None."""
+    endpoints = [endpoint.removeprefix("etcd://") for endpoint in value.replace(";", ",").split(",")]
     if not all(_HOST_PORT.match(endpoint) for endpoint in endpoints):
         return (
             f"{_shown(value)} is neither a URL (http://host:port/metadata), host:port (etcd) nor P2PHANDSHAKE"
