@@ -43,6 +43,26 @@ def test_a_metadata_server_on_the_masters_rpc_port_is_named(mooncake_pool: Local
     assert found.startswith(f"metadata_server {url} does not answer as an HTTP metadata server (")
 
 
+@pytest.mark.parametrize("where", ["metrics port", "wrong path"])
+def test_a_metadata_server_that_is_another_http_server_is_named(
+    mooncake_pool: LocalCluster, where: str
+) -> None:
+    url = (
+        f"http://127.0.0.1:{mooncake_pool.metrics_port}/metadata"
+        if where == "metrics port"
+        else f"http://127.0.0.1:{mooncake_pool.metadata_port}/meta"
+    )
+    adapter = open_adapter(config_for(mooncake_pool, metadata_server=url, operation_timeout_s=1.0))
+    try:
+        connection = backend_of(adapter).connection
+        eventually(lambda: connection.failures >= 1, what="a failed set-up")
+        assert connection.last_error.startswith(
+            f"setup returned -1: metadata_server {url} answers HTTP but is not Mooncake's metadata server"
+        ), connection.last_error
+    finally:
+        adapter.close()
+
+
 def test_an_adapter_whose_metadata_server_is_down_says_so_not_that_the_master_is(
     mooncake_pool: LocalCluster,
 ) -> None:

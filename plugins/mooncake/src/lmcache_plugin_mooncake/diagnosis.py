@@ -103,8 +103,24 @@ def _metadata_problem(
     try:
         with urllib.request.urlopen(f"{url}{separator}key={_PROBE_KEY}", timeout=timeout_s):
             return None
-    except urllib.error.HTTPError:
-        return None  # it answered (no such key)
+    except urllib.error.HTTPError as exc:
+        if answered_only:
+            return None  # it answered: the set-up may be tried
+        # Mooncake's metadata servers (the master's and its Python one) answer an unknown
+        # key with 404 "metadata not found"; any other answer is another server's (the
+        # master's metrics port, a wrong path), where Mooncake's set-up fails with -1.
+        try:
+            body = exc.read(256)
+        except (OSError, http.client.HTTPException):
+            body = b""
+        if exc.code == 404 and body.strip() == b"metadata not found":
+            return None
+        answer = body.decode("utf-8", "replace").strip()[:60]
+        return (
+            f"metadata_server {url} answers HTTP but is not Mooncake's metadata server (a key query "
+            f"was answered {exc.code} {answer!r}, where Mooncake's says 'metadata not found'): check "
+            "its port (mooncake_master --http_metadata_server_port) and path (/metadata)"
+        )
     except urllib.error.URLError as exc:
         reason = exc.reason if isinstance(exc.reason, BaseException) else OSError(str(exc.reason))
         return f"metadata_server {url} does not answer ({_reason(reason)})"
