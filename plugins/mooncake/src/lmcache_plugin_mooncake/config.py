@@ -198,9 +198,10 @@ class MooncakeStoreConfig(L2AdapterConfig):
             min_length=1,
             max_length=1024,
             description=(
-                "Mooncake's metadata service, handed to Mooncake as is: an http(s), etcd or "
-                "redis URL (http://host:8080/metadata for mooncake_master "
-                "--enable_http_metadata_server), etcd's host:port, or P2PHANDSHAKE."
+                "Mooncake's metadata service, handed to Mooncake as is: an http(s) or redis "
+                "URL with a host (http://host:8080/metadata for mooncake_master "
+                "--enable_http_metadata_server), etcd's host:port endpoints (bare or after "
+                "etcd://), or P2PHANDSHAKE; a kind the installed Mooncake lacks is refused."
             ),
         ),
     ] = "http://127.0.0.1:8080/metadata"
