@@ -201,6 +201,7 @@ class Handlers:
         self._handle_base = secrets.randbits(_HANDLE_BASE_BITS)
         self._expired_results = BurstLog(logger, "prefetch_result_expired")
         self._layout_mismatches = BurstLog(logger, "retrieve_layout_mismatch")
+        self._lost_reservations = BurstLog(logger)
         #: requests handed to the pool and not answered yet (loop thread only)
         self._pool_requests: set[PoolRequest] = set()
         self._table: dict[type[p._Request], Callable[[Any, bytes, Frames], Response | Deferred]] = {
@@ -568,7 +569,7 @@ class Handlers:
         else:
             done = [flag and key in stored for key, flag in zip(req.keys, flags, strict=True)]
             stored_bytes = sum(mine[key].size for key in stored)
-            self._count_lost_reservations(req.keys, len(stored))
+            self._count_lost_reservations(req.keys, len(stored), identity)
             # L1 reaped them before the session saw them expire: fenced, and over now.
             self._copies_ended([obj for key, obj in mine.items() if key not in stored], identity)
         if stored:
@@ -577,13 +578,27 @@ class Handlers:
             self.stats.store_bytes += stored_bytes
         return p.StoreReply(req.req_id, done=done), ()
 
-    def _count_lost_reservations(self, committed: Sequence[ObjectKey], stored: int) -> None:
+    def _count_lost_reservations(self, committed: Sequence[ObjectKey], stored: int, identity: bytes) -> None:
         """Count the keys of a commit that were not stored: the client's reservation is
         gone (reaped at the write TTL), or never was.  Each key once: a key the commit
         names twice is one key of its STORE_RESERVE, stored or lost at its first position."""
         lost = len(set(committed)) - stored
         if lost:
-            self.stats.store_keys_refused["reservation_lost"] += lost
+            self._refuse_lost(
+                lost,
+                f"a STORE_COMMIT from {identity.hex()} named {lost} keys it holds no live reservation of "
+                "(never reserved, another client's, or reaped at the write TTL)",
+            )
+
+    def _refuse_lost(self, keys: int, why: str) -> None:
+        """Count and explain keys a store did not store because their reservation was gone."""
+        self.stats.store_keys_refused["reservation_lost"] += keys
+        self._lost_reservations.warn(
+            "reservation_lost",
+            "%s: not stored (store_keys_refused reason reservation_lost)",
+            why,
+            count=keys,
+        )
 
     def _take_writes(
         self, identity: bytes, keys: Sequence[ObjectKey]
@@ -771,8 +786,11 @@ class Handlers:
         if skips:
             self._count_skips(skips)
         if len(stored) < len(fresh):
-            # reaped at the write TTL while the bytes were being copied in
-            self.stats.store_keys_refused["reservation_lost"] += len(fresh) - len(stored)
+            lost = len(fresh) - len(stored)
+            self._refuse_lost(
+                lost,
+                f"a STORE_INLINE's {lost} keys were reaped at the write TTL while their bytes were copied in",
+            )
         done = []
         for key in req.keys:  # a key repeated in the batch was stored once, at its first position
             done.append(key in stored)
