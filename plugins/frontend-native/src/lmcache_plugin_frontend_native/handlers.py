@@ -30,6 +30,7 @@ from lmcache_plugin_frontend_native.sessions import (
     Session,
     SessionTable,
 )
+from lmcache_plugin_frontend_native.unsent import UnsentInlineBytes
 from lmcache_plugin_frontend_native.writers import WriterProcesses
 from lmcache_tiers.plugin import (
     BurstLog,
@@ -171,6 +172,7 @@ class Handlers:
         self.stats = stats
         self.status_provider = status_provider
         self.max_inline_bytes = max_inline_bytes
+        self.unsent_inline = UnsentInlineBytes(max_inline_bytes)
         l1 = storage.l1
         #: fenced bytes (``Session.fenced``) past which a client's new shared-memory stores
         #: are refused: what a client that never comes back keeps out of L1
@@ -902,10 +904,14 @@ class Handlers:
         return p.RetrieveReply(req.req_id, slots=slots), ()
 
     def _retrieve_inline(self, req: p.Retrieve, identity: bytes) -> Deferred:
-        storage, limit = self.storage, self.max_inline_bytes
+        storage, limit, unsent = self.storage, self.max_inline_bytes, self.unsent_inline
+        self._refuse_if_unread(identity)
         wanted = _reader_layouts(req)
 
         def work() -> Callable[[], Response]:
+            # Asked again here: a burst of requests sent at once all passed the loop's
+            # check before the pool copied anything.
+            self._refuse_if_unread(identity)
             not_before = self.sessions.read_lock_deadline(time.monotonic())  # of the locks read takes
             objects = storage.read(req.keys)
             payloads: list[Any] = []
@@ -920,7 +926,7 @@ class Handlers:
                     if payloads and total + obj.size > limit:
                         break
                     try:
-                        payloads.append(copy_out(obj))
+                        payloads.append(unsent.track(identity, copy_out(obj)))
                     except KeyError as exc:
                         # L1 could not vouch for the bytes copied (the object left L1 and
                         # its extent may have changed hands meanwhile): the prefix ends
@@ -953,6 +959,18 @@ class Handlers:
             return finish
 
         return self._run_on_pool(identity, req.req_id, work, "retrieve_inline")
+
+    def _refuse_if_unread(self, identity: bytes) -> None:
+        """Refuse an inline RETRIEVE from a client whose inline replies not read yet
+        reach its bound (``unsent.py``)."""
+        unsent = self.unsent_inline
+        held = unsent.held(identity)
+        if held >= unsent.bound:
+            raise HandlerError(
+                p.ErrorCode.OUT_OF_MEMORY,
+                f"this client's inline replies not read yet hold {held} bytes of the server's memory "
+                f"(limit {unsent.bound}): read them before asking for more",
+            )
 
     def _of_reader_layouts(
         self, keys: Sequence[ObjectKey], objects: list[Any], wanted: list[str] | None, not_before: float
