@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import secrets
 import threading
 import time
@@ -445,6 +446,13 @@ class Handlers:
         layouts = _layouts(req.layouts, len(keys))
         now = time.monotonic()
         session = self.sessions.get(identity, now)
+        connection = self._connection()
+        if self._of_another_connection(session, connection):
+            raise HandlerError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                "this routing identity holds the reservations of another connection, which dropped; "
+                "connect under another identity",
+            )
         self._refuse_while_fenced(session, keys, now)
         reserved = self.storage.reserve_write(keys, sizes, layouts)
         if self.storage.l1.fence_writers(list(reserved.values())):
@@ -456,6 +464,7 @@ class Handlers:
             )
         if reserved:
             self._note_writer(session, identity)
+            session.writer_connection = connection
         session.add_writes(reserved, self.sessions.write_deadline(now))
         if len(reserved) == len(keys):
             # Every key reserved, so none named twice: one slot per key in order, without
@@ -608,6 +617,10 @@ class Handlers:
         """The caller's live reservations among ``keys`` (see Session.take_writes); a
         client that reserved nothing gets no session for asking."""
         session = self.sessions.existing(identity)
+        if session is not None and self._of_another_connection(session, self._connection()):
+            # Another connection under the identity of one that dropped: it holds none of
+            # them (a process coming back is matched below, by the kernel's word).
+            session = None
         now = time.monotonic()
         held: set[ObjectKey] = set()
         if session is None:
@@ -690,6 +703,24 @@ class Handlers:
         if not (session.writes or session.fenced):
             session.writers.clear()
             self.writers.forget(session.identity)
+
+    def _connection(self) -> int:
+        """The socket inode of the connection the request being handled came in on (0: not
+        known): unlike its descriptor's number, never another connection's while it is open."""
+        fd = self._source_fd()
+        if fd < 0:
+            return 0
+        try:
+            return os.fstat(fd).st_ino
+        except OSError:
+            return 0
+
+    @staticmethod
+    def _of_another_connection(session: Session, connection: int) -> bool:
+        """Whether ``session``'s reservations were made over a connection other than
+        ``connection`` (both known), under the same routing identity."""
+        holds = session.writes or session.fenced
+        return bool(holds and connection and session.writer_connection not in (0, connection))
 
     def _source_fd(self) -> int:
         """The descriptor of the connection the request being handled came in on (-1: not

@@ -123,6 +123,10 @@ class Session:
     fenced: dict[ObjectKey, Any] = field(default_factory=dict)
     #: the extent bytes of ``fenced``, kept as extents are fenced and given back
     fenced_bytes: int = 0
+    #: the socket inode of the connection whose STORE_RESERVEs ``writes`` and ``fenced``
+    #: hold (0: not known): a routing identity is the peer's choice, and another connection
+    #: naming it once that one dropped must not commit what it never copied
+    writer_connection: int = 0
     #: the watches (``PeerWatch``, None: not known) of the processes that reserved under
     #: this identity since it last held no reservation: its fences are lifted once all of
     #: them have exited (``writers.py``)
