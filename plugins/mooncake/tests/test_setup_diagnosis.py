@@ -5,6 +5,7 @@ master address that is another service's port."""
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 import pytest
 from lmcache_plugin_mooncake import client as client_module
@@ -37,6 +38,18 @@ def test_a_master_address_of_an_http_port_is_named(mooncake_pool: LocalCluster, 
     assert found.endswith("not mooncake_master's RPC port (--rpc_port)")
 
 
+def first_failed_setup(pool: LocalCluster, **fields: Any) -> tuple[str, dict[str, Any]]:
+    """(the error of the first failed set-up, the adapter's stats then) of an adapter on
+    ``pool`` configured with ``fields``."""
+    adapter = open_adapter(config_for(pool, operation_timeout_s=1.0, **fields))
+    try:
+        connection = backend_of(adapter).connection
+        eventually(lambda: connection.failures >= 1, what="a failed set-up")
+        return connection.last_error, adapter.stats()
+    finally:
+        adapter.close()
+
+
 def test_a_metadata_server_on_the_masters_rpc_port_is_named(mooncake_pool: LocalCluster) -> None:
     url = f"http://{mooncake_pool.master_server_address}/metadata"
     found = unanswered_services(config_for(mooncake_pool, metadata_server=url), TIMEOUT_S)
@@ -52,45 +65,27 @@ def test_a_metadata_server_that_is_another_http_server_is_named(
         if where == "metrics port"
         else f"http://127.0.0.1:{mooncake_pool.metadata_port}/meta"
     )
-    adapter = open_adapter(config_for(mooncake_pool, metadata_server=url, operation_timeout_s=1.0))
-    try:
-        connection = backend_of(adapter).connection
-        eventually(lambda: connection.failures >= 1, what="a failed set-up")
-        assert connection.last_error.startswith(
-            f"setup returned -1: metadata_server {url} answers HTTP but is not Mooncake's metadata server"
-        ), connection.last_error
-    finally:
-        adapter.close()
+    error, _ = first_failed_setup(mooncake_pool, metadata_server=url)
+    assert error.startswith(
+        f"setup returned -1: metadata_server {url} answers HTTP but is not Mooncake's metadata server"
+    ), error
 
 
 def test_an_adapter_whose_metadata_server_is_down_says_so_not_that_the_master_is(
     mooncake_pool: LocalCluster,
 ) -> None:
     url = f"http://127.0.0.1:{free_port()}/metadata"
-    adapter = open_adapter(config_for(mooncake_pool, metadata_server=url, operation_timeout_s=1.0))
-    try:
-        connection = backend_of(adapter).connection
-        eventually(lambda: connection.failures >= 1, what="a failed set-up")
-        assert (
-            connection.last_error
-            == f"set-up not tried: metadata_server {url} does not answer (connection refused)"
-        )
-        assert adapter.stats()["connected"] == 0
-    finally:
-        adapter.close()
+    error, stats = first_failed_setup(mooncake_pool, metadata_server=url)
+    assert error == f"set-up not tried: metadata_server {url} does not answer (connection refused)"
+    assert stats["connected"] == 0
 
 
 def test_an_adapter_given_an_http_port_for_the_master_says_so(mooncake_pool: LocalCluster) -> None:
     address = f"127.0.0.1:{mooncake_pool.metrics_port}"
-    adapter = open_adapter(config_for(mooncake_pool, master_server_address=address, operation_timeout_s=1.0))
-    try:
-        connection = backend_of(adapter).connection
-        eventually(lambda: connection.failures >= 1, what="a failed set-up")
-        assert connection.last_error.startswith(
-            f"setup returned -1: master_server_address {address} is an HTTP server (it answered "
-        ), connection.last_error
-    finally:
-        adapter.close()
+    error, _ = first_failed_setup(mooncake_pool, master_server_address=address)
+    assert error.startswith(
+        f"setup returned -1: master_server_address {address} is an HTTP server (it answered "
+    ), error
 
 
 def test_no_set_up_is_tried_while_the_master_refuses_connections(
