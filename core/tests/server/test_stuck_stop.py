@@ -27,6 +27,8 @@ from lmcache_tiers.keys import ObjectKey
 
 #: the environment variable naming the file the stuck hook creates as it gets stuck
 STUCK_MARK_ENV = "TIERS_TEST_STUCK_MARK"
+#: the environment variable that shortens a graceful stop's close window in the server
+CLOSE_WINDOW_ENV = "TIERS_TEST_GRACEFUL_CLOSE_WINDOW_S"
 
 STUCK_POLICY = f"""
 import os
@@ -58,6 +60,14 @@ class StuckPolicy:
 @hookimpl
 def tiers_register_eviction_policies(registry):
     registry.add("guide_stuck", StuckPolicy, ComponentConfig)
+
+
+if os.environ.get("{CLOSE_WINDOW_ENV}"):
+    # Loaded before serve starts its guard: a graceful stop is then ended after seconds,
+    # not the half minute its close gets in production.
+    from lmcache_tiers.server import stuck_stop
+
+    stuck_stop.GRACEFUL_CLOSE_WINDOW_S = float(os.environ["{CLOSE_WINDOW_ENV}"])
 """
 
 #: a generous guard against a test that would otherwise hang: not a measured time
@@ -75,7 +85,7 @@ def _signals_at_default() -> None:
 class StuckServer:
     """``serve`` with the stuck policy for L1, on an ipc socket, its output in a file."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, close_window_s: float | None = None) -> None:
         site = tmp_path / "site"
         install_flat_plugin(site, "guidestuck", STUCK_POLICY)
         self.socket = tmp_path / "stuck.sock"
@@ -84,6 +94,8 @@ class StuckServer:
         path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
         environ = dict(os.environ, PYTHONPATH=path, LMCACHE_LOG_LEVEL="INFO")
         environ[STUCK_MARK_ENV] = str(self.mark)
+        if close_window_s is not None:
+            environ[CLOSE_WINDOW_ENV] = str(close_window_s)
         command = [
             *CLI,
             "serve",
@@ -157,15 +169,19 @@ def _digest(text: str) -> bytes:
     return hashlib.blake2b(text.encode(), digest_size=32).digest()
 
 
-@pytest.fixture
-def stuck(tmp_path: Path) -> StuckServer:
-    server = StuckServer(tmp_path)
+def _stuck_server(tmp_path: Path, close_window_s: float | None = None) -> StuckServer:
+    server = StuckServer(tmp_path, close_window_s)
     try:
         server.store_until_stuck()
     except BaseException:
         server.kill()
         raise
     return server
+
+
+@pytest.fixture
+def stuck(tmp_path: Path) -> StuckServer:
+    return _stuck_server(tmp_path)
 
 
 def _ended_as_the_stop_failed(server: StuckServer, code: int, output: str, why: str) -> None:
@@ -198,4 +214,14 @@ def test_a_third_signal_ends_the_forced_stop_without_waiting_for_it(stuck: Stuck
     code, output = stuck.stopped(signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     _ended_as_the_stop_failed(
         stuck, code, output, "came while the stop forced by a second signal was still running"
+    )
+
+
+def test_a_graceful_stop_a_stuck_policy_holds_up_ends_past_its_deadlines(tmp_path: Path) -> None:
+    # One SIGTERM, as a supervisor sends, and no second one: the drain and the front ends'
+    # join (1 s + 5 s), the flush (1 s) and the close window (1 s here) all pass.
+    server = _stuck_server(tmp_path, close_window_s=1.0)
+    code, output = server.stopped(signal.SIGTERM)
+    _ended_as_the_stop_failed(
+        server, code, output, "the stop begun by SIGTERM did not finish within 8s, its drain, flush and close"
     )

@@ -30,6 +30,7 @@ from pathlib import Path
 from lmcache_tiers.server.stuck_stop import CreatedFile, StuckStopGuard
 
 segment, ready, pending = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+graceful = float(sys.argv[4]) if sys.argv[4] != "none" else None
 segment.write_bytes(b"L1")
 mapped = segment.open("rb")  # held, as serve holds its segment: its inode is not reused
 stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -44,7 +45,10 @@ def count():
 
 
 files = [CreatedFile.of(str(segment), "the L1 segment")]
-guard = StuckStopGuard(stops, (), files, has_l2=pending != "none", pending_l2_stores=count, window_s=0.5)
+has_l2 = pending != "none"
+guard = StuckStopGuard(
+    stops, (), files, has_l2=has_l2, pending_l2_stores=count, window_s=0.5, graceful_window_s=graceful
+)
 guard.start()
 held = threading.Lock()
 held.acquire()
@@ -53,12 +57,20 @@ held.acquire()  # the main thread waits for good
 """
 
 
-def _ended(tmp_path: Path, pending: str, *, replace_segment: bool = False) -> tuple[int, str, Path]:
-    """Start the process, send SIGTERM then SIGINT (a second signal: the stop is forced);
-    its exit status, its stderr and the segment's path."""
+def _ended(
+    tmp_path: Path,
+    pending: str,
+    *,
+    replace_segment: bool = False,
+    signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT),
+    graceful_window_s: float | None = None,
+) -> tuple[int, str, Path]:
+    """Start the process, send ``signals`` (by default SIGTERM then SIGINT: a second
+    signal, the stop is forced); its exit status, its stderr and the segment's path."""
     segment, ready = tmp_path / "segment", tmp_path / "ready"
+    graceful = "none" if graceful_window_s is None else str(graceful_window_s)
     proc = subprocess.Popen(
-        [sys.executable, "-c", PROCESS, str(segment), str(ready), pending],
+        [sys.executable, "-c", PROCESS, str(segment), str(ready), pending, graceful],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -70,8 +82,8 @@ def _ended(tmp_path: Path, pending: str, *, replace_segment: bool = False) -> tu
         if replace_segment:  # another file under the name now: not the guard's to remove
             segment.unlink()
             segment.write_bytes(b"not ours")
-        proc.send_signal(signal.SIGTERM)
-        proc.send_signal(signal.SIGINT)
+        for sig in signals:
+            proc.send_signal(sig)
         _, stderr = proc.communicate(timeout=_GUARD_S)
     finally:
         if proc.poll() is None:
@@ -80,11 +92,11 @@ def _ended(tmp_path: Path, pending: str, *, replace_segment: bool = False) -> tu
     return proc.returncode, stderr, segment
 
 
-def _error_line(stderr: str) -> str:
+def _error_line(stderr: str, why: str = "the stop forced by a second signal") -> str:
     assert "Traceback" not in stderr, stderr
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, stderr
-    assert errors[0].startswith("error: the stop failed: the stop forced by a second signal"), stderr
+    assert errors[0].startswith(f"error: the stop failed: {why}"), stderr
     return errors[0]
 
 
@@ -111,3 +123,18 @@ def test_a_file_that_took_the_segment_s_name_is_left_alone(tmp_path: Path) -> No
     assert status == 1, stderr
     _error_line(stderr)
     assert segment.read_bytes() == b"not ours"
+
+
+def test_a_graceful_stop_still_running_past_its_window_is_ended(tmp_path: Path) -> None:
+    status, stderr, segment = _ended(tmp_path, "3", signals=(signal.SIGTERM,), graceful_window_s=0.5)
+    assert status == 3, stderr
+    line = _error_line(stderr, "the stop begun by SIGTERM did not finish within 0.5s")
+    assert "3 L2 stores not waited for" in line
+    assert not segment.exists(), "the L1 segment outlived the stop"
+
+
+def test_a_second_signal_during_a_graceful_stop_forces_it_sooner(tmp_path: Path) -> None:
+    # The graceful window outlasts the test's own guard: only the forced one can end it.
+    status, stderr, _ = _ended(tmp_path, "0", graceful_window_s=600.0)
+    assert status == 1, stderr
+    _error_line(stderr, "the stop forced by a second signal did not finish within 0.5s")

@@ -65,7 +65,12 @@ from lmcache_tiers.server.preflight import (
     preflight,
 )
 from lmcache_tiers.server.priority import request_threads_favoured
-from lmcache_tiers.server.stuck_stop import EXIT_ACKNOWLEDGED_WRITES_LOST, StuckStopGuard, files_created
+from lmcache_tiers.server.stuck_stop import (
+    EXIT_ACKNOWLEDGED_WRITES_LOST,
+    StuckStopGuard,
+    files_created,
+    graceful_stop_window_s,
+)
 from lmcache_tiers.server.thread_crashes import ThreadCrashes
 from lmcache_tiers.wire import protocol as p
 
@@ -854,8 +859,9 @@ class _StopSignals:
     interrupted at :meth:`attach`.  A second signal interrupts at once (a clean-up that
     hangs).
     Once attached, the first asks the server for a graceful stop (SIGQUIT: a forced one)
-    and any later one forces it; a forced stop that does not finish is ended by
-    :class:`StuckStopGuard`, which hears the signals without the main thread.  A signal of
+    and any later one forces it; a forced stop that does not finish, or a graceful one
+    still running past all its deadlines, is ended by :class:`StuckStopGuard`, which hears
+    the signals without the main thread.  A signal of
     :data:`KEPT_IGNORED` the process was started with ignored (``nohup``, a script's
     background job) stays ignored, and one line says so.
     Only the main thread can have handlers: elsewhere (a server run inside a test) signals
@@ -931,6 +937,7 @@ class _StopSignals:
             files_created(server.storage, _endpoints(server)),
             has_l2=bool(server.storage.adapters),
             pending_l2_stores=lambda: pending_l2_stores(server.storage),
+            graceful_window_s=graceful_stop_window_s(server.drain_timeout_s, _JOIN_GRACE_S),
         )
         try:
             guard.start()

@@ -16,12 +16,19 @@ file) and the ipc socket files are removed by name, which takes no lock, one lin
 what was left undone, and the exit status is the stop's -- 1 (the stop failed), or 3
 (:data:`EXIT_ACKNOWLEDGED_WRITES_LOST`) unless the L2 stores
 still pending could be counted as none.
+
+A graceful stop (one signal) is held up the same way, and nobody may send a second one
+(a supervisor waits its own timeout, then sends SIGKILL, which leaves the segment behind).
+Every step of it has a deadline (the drain, the front ends' join, the flush), so one still
+running :func:`graceful_stop_window_s` after its signal, which adds
+:data:`GRACEFUL_CLOSE_WINDOW_S` for the close, is ended the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import select
 import signal
@@ -40,9 +47,11 @@ __all__ = [
     "EXIT_ACKNOWLEDGED_WRITES_LOST",
     "EXIT_STOP_FAILED",
     "FORCED_STOP_WINDOW_S",
+    "GRACEFUL_CLOSE_WINDOW_S",
     "CreatedFile",
     "StuckStopGuard",
     "files_created",
+    "graceful_stop_window_s",
 ]
 
 logger = logging.getLogger("lmcache_tiers.server.app")
@@ -52,6 +61,10 @@ logger = logging.getLogger("lmcache_tiers.server.app")
 #: in it is cut short or has a deadline of its own); one still running after this waits
 #: on a thread that will not let go.
 FORCED_STOP_WINDOW_S = 3.0
+#: how long a graceful stop's close gets once its deadlines (drain, join, flush) have all
+#: passed.  Far longer than a forced one's: nearly every stop is graceful, and an adapter
+#: closing its connections after a real flush must never be taken for a stuck thread.
+GRACEFUL_CLOSE_WINDOW_S = 30.0
 #: how long a step of the ending that may need a lock (counting the pending L2 stores,
 #: writing the log line) is waited for before the process ends without it
 _STEP_WAIT_S = 0.5
@@ -127,6 +140,13 @@ def _is_socket(path: str) -> bool:
     return False
 
 
+def graceful_stop_window_s(drain_timeout_s: float, join_grace_s: float) -> float:
+    """How long after its signal a graceful stop has surely passed every deadline of its
+    own: the drain and the front ends' join, then the L2 flush (each ``drain_timeout_s``),
+    then :data:`GRACEFUL_CLOSE_WINDOW_S` for the close."""
+    return 2 * drain_timeout_s + join_grace_s + GRACEFUL_CLOSE_WINDOW_S
+
+
 class StuckStopGuard:
     """Ends the process when a forced stop does not finish (see the module's text).
 
@@ -135,7 +155,8 @@ class StuckStopGuard:
     the stop is over (the close returned or raised) puts the previous wake-up descriptor
     back and ends the guard's thread.  ``pending_l2_stores`` counts what L2 has not got
     (it may need a lock a stuck thread holds: waited for briefly); ``has_l2`` tells whether
-    any write could be waiting for L2 at all."""
+    any write could be waiting for L2 at all.  ``graceful_window_s`` (None: no bound) is
+    how long a graceful stop may run after its signal before it is ended too."""
 
     def __init__(
         self,
@@ -146,6 +167,7 @@ class StuckStopGuard:
         has_l2: bool,
         pending_l2_stores: Callable[[], int],
         window_s: float = FORCED_STOP_WINDOW_S,
+        graceful_window_s: float | None = None,
     ) -> None:
         self._stop_signals = frozenset(stop_signals)
         self._forcing = frozenset(forcing)
@@ -153,6 +175,7 @@ class StuckStopGuard:
         self._has_l2 = has_l2
         self._pending_l2_stores = pending_l2_stores
         self._window_s = window_s
+        self._graceful_window_s = graceful_window_s
         # held while the guard ends the process and while ``finish`` marks the stop done:
         # a stop that finished just as the window ran out is not ended over its summary
         self._ending = threading.Lock()
@@ -200,13 +223,15 @@ class StuckStopGuard:
         poller.register(self._read_fd, select.POLLIN)
         stops = 0
         forced_by: str | None = None
-        forced_at = 0.0
+        # when the stop running is ended unless it finished, and what the line says then
+        deadline: float | None = None
+        overdue = ""
         while True:
             timeout_ms = None
-            if forced_by is not None:
-                timeout_ms = max(0, int((forced_at + self._window_s - time.monotonic()) * 1000))
+            if deadline is not None:
+                timeout_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
             if not poller.poll(timeout_ms):
-                self._end(f"the stop forced by {forced_by} did not finish within {self._window_s:g}s")
+                self._end(overdue)
                 return
             numbers = os.read(self._read_fd, 64)
             if not numbers:
@@ -222,7 +247,16 @@ class StuckStopGuard:
                     return
                 if stops > 1 or number in self._forcing:
                     forced_by = "a second signal" if stops > 1 else name
-                    forced_at = time.monotonic()
+                    forced_deadline = time.monotonic() + self._window_s
+                    if deadline is None or forced_deadline < deadline:
+                        deadline = forced_deadline
+                        overdue = f"the stop forced by {forced_by} did not finish within {self._window_s:g}s"
+                elif self._graceful_window_s is not None:
+                    deadline = time.monotonic() + self._graceful_window_s
+                    overdue = (
+                        f"the stop begun by {name} did not finish within {self._graceful_window_s:g}s, "
+                        "its drain, flush and close deadlines all past"
+                    )
 
     def _pass_on(self, numbers: bytes) -> None:
         """Whoever set a wake-up descriptor before (a process embedding the server) still
