@@ -24,7 +24,7 @@ import threading
 from collections.abc import Sequence
 
 from lmcache_plugin_mock import MockConfig
-from lmcache_tiers.plugin import BackendContext, ExtentAllocator, ObjectKey, copy_into
+from lmcache_tiers.plugin import BackendContext, ExtentAllocator, ObjectKey, check_claimed_once, copy_into
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +149,18 @@ def _objects_for(namespace: str | None) -> _Objects:
 
 class MockBackend:
     """Keeps payloads in process memory; capacity, bandwidth and latency as configured."""
+
+    @staticmethod
+    def preflight(config: MockConfig) -> None:
+        """Two adapters of one server on one namespace would each account and evict the
+        other's objects as its own (bytes counted twice, removals behind its back)."""
+        if config.namespace is not None:
+            check_claimed_once(
+                f"mock namespace {config.namespace}",
+                "namespace",
+                f"mock namespace {config.namespace!r} is already used by another adapter of this "
+                "server; give each adapter its own namespace",
+            )
 
     def __init__(self, config: MockConfig, context: BackendContext) -> None:
         self.config = config
