@@ -47,3 +47,16 @@ def test_distinct_namespaces_and_none_at_all_pass() -> None:
     namespace = uuid.uuid4().hex
     preflight({"type": "mock", "namespace": namespace})
     preflight({"type": "mock", "namespace": namespace})
+
+
+def test_a_prefaulted_pool_larger_than_the_memory_available_is_refused() -> None:
+    # Touched whole at open, a pool past the memory available would set off the OOM killer.
+    with pytest.raises(
+        ConfigError,
+        match=r"^mock: prefault would touch [\d.]+ GiB .* more than the [\d.]+ GiB of memory available "
+        r"\(MemAvailable\); .* - at `\$\.l2_adapters\[0\]\.max_size_gb`$",
+    ):
+        preflight({"type": "mock", "max_size_gb": 1 << 20, "prefault": True})
+    # not touched until written, it is no more than address space
+    preflight({"type": "mock", "max_size_gb": 1 << 20})
+    preflight({"type": "mock", "max_size_gb": 0.01, "prefault": True})

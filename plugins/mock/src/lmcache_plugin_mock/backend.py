@@ -24,7 +24,14 @@ import threading
 from collections.abc import Sequence
 
 from lmcache_plugin_mock import MockConfig
-from lmcache_tiers.plugin import BackendContext, ExtentAllocator, ObjectKey, check_claimed_once, copy_into
+from lmcache_tiers.plugin import (
+    BackendContext,
+    ExtentAllocator,
+    FieldError,
+    ObjectKey,
+    check_claimed_once,
+    copy_into,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +45,32 @@ _POOL_MIN_BYTES = 64 << 10
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
+def pool_bytes(capacity: int) -> int:
+    """The size of the pool of a namespace of ``capacity`` bytes.
+
+    Headroom over the capacity (which counts bytes, not extents) for extents rounded up to
+    pages and for overwrites, whose old and new bytes coexist until the new ones are
+    published; without it such objects would spill to the heap."""
+    return capacity + capacity // 8
+
+
+def _mem_available() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 class _Pool:
     """A mapping for ``capacity`` bytes and the allocator of its extents (namespace lock)."""
 
     def __init__(self, capacity: int, *, prefault: bool) -> None:
-        # Headroom over the capacity (which counts bytes, not extents) for extents rounded
-        # up to pages and for overwrites, whose old and new bytes coexist until the new
-        # ones are published; without it such objects would spill to the heap.
-        self.allocator = ExtentAllocator(capacity + capacity // 8, align=_ALIGN)
+        self.allocator = ExtentAllocator(pool_bytes(capacity), align=_ALIGN)
         # Anonymous and private: pages cost nothing until first written.
         self.memory = mmap.mmap(-1, self.allocator.capacity)
         self.view = memoryview(self.memory)
@@ -153,7 +178,20 @@ class MockBackend:
     @staticmethod
     def preflight(config: MockConfig) -> None:
         """Two adapters of one server on one namespace would each account and evict the
-        other's objects as its own (bytes counted twice, removals behind its back)."""
+        other's objects as its own (bytes counted twice, removals behind its back).  A
+        pool pre-faulted whole at open must fit in the memory available: past it, the
+        kernel's OOM killer ends a process instead of the start-up refusing."""
+        capacity = int(config.max_size_gb * (1 << 30))
+        available = _mem_available()
+        if config.prefault and capacity >= _POOL_MIN_BYTES and available is not None:
+            touched = pool_bytes(capacity)
+            if touched > available:
+                raise FieldError(
+                    "max_size_gb",
+                    f"prefault would touch {touched / (1 << 30):.1f} GiB (max_size_gb and an eighth "
+                    f"more for page rounding), more than the {available / (1 << 30):.1f} GiB of "
+                    "memory available (MemAvailable); lower max_size_gb or leave prefault off",
+                )
         if config.namespace is not None:
             check_claimed_once(
                 f"mock namespace {config.namespace}",
