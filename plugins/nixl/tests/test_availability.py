@@ -104,8 +104,11 @@ def test_same_backend_with_other_nixl_parameters_is_refused() -> None:
         try:
             raw = msgspec.to_builtins(pool_config(directory + "/b"))
             raw["backend_params"]["kernel_queue_size"] = "64"
-            with pytest.raises(ConfigError, match=r"already initialised .* \(kernel_queue_size differs\)"):
+            with pytest.raises(
+                FieldError, match=r"already initialised .* \(kernel_queue_size differs\)"
+            ) as caught:
                 open_pool(msgspec.convert(raw, NixlStoreConfig))
+            assert caught.value.field == "backend_params.kernel_queue_size", "start-up names the adapter"
         finally:
             first.close()
 

@@ -23,7 +23,7 @@ from test_obj_backend import (
     s3_endpoint,  # noqa: F401 - the S3 server fixture
 )
 
-from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.config import FieldError
 from lmcache_tiers.testing.ports import free_port
 
 
@@ -55,7 +55,7 @@ def test_a_name_lookup_that_never_answers_is_given_up_at_the_probes_deadline() -
     params = {"bucket": "b", "endpoint_override": "http://s3.store.internal:9000"}
     try:
         with pytest.raises(
-            ConfigError,
+            FieldError,
             match=r"OBJ endpoint http://s3\.store\.internal:9000 \(s3\.store\.internal:9000\) cannot be "
             r"reached: the name s3\.store\.internal did not resolve within 0\.2 s",
         ):
@@ -69,7 +69,7 @@ def test_a_resolver_error_is_the_reason_given(listening: socket.socket) -> None:
     def failing(host: str, port: int) -> list[tuple[Any, ...]]:
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
-    with pytest.raises(ConfigError, match=r"cannot be reached: .*Name or service not known"):
+    with pytest.raises(FieldError, match=r"cannot be reached: .*Name or service not known"):
         check_remote_endpoint(
             "AZURE_BLOB", {"account_url": "http://acct.blob.internal"}, timeout=5, resolve=failing
         )
@@ -92,13 +92,11 @@ def test_the_obj_probe_connects_directly_and_names_a_proxy_it_does_not_use(
         with pytest.raises(BlockingIOError):
             proxy.accept()  # and nothing went to the proxy
     closed = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(
-        ConfigError, match=r"; HTTP_PROXY is set, but NIXL's OBJ backend does not use proxies"
-    ):
+    with pytest.raises(FieldError, match=r"; HTTP_PROXY is set, but NIXL's OBJ backend does not use proxies"):
         check_remote_endpoint("OBJ", {"bucket": "b", "endpoint_override": closed}, environ=through_proxy)
     # NO_PROXY exempting the host, or no proxy variable at all: no word of proxies.
     for environ in ({**through_proxy, "NO_PROXY": "localhost,127.0.0.1"}, {}):
-        with pytest.raises(ConfigError) as refused:
+        with pytest.raises(FieldError) as refused:
             check_remote_endpoint("OBJ", {"bucket": "b", "endpoint_override": closed}, environ=environ)
         assert "proxy" not in str(refused.value).lower()
 
@@ -142,7 +140,7 @@ def test_a_host_name_that_cannot_be_encoded_is_refused_as_such(account_url: str)
     previous = threading.excepthook
     threading.excepthook = lambda args: escaped.append(args.exc_value)
     try:
-        with pytest.raises(ConfigError) as caught:
+        with pytest.raises(FieldError) as caught:
             check_remote_endpoint("AZURE_BLOB", {"account_url": account_url}, timeout=5)
     finally:
         threading.excepthook = previous

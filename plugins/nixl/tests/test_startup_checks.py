@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import test_obj_backend
@@ -19,7 +20,6 @@ from nixl_helpers import serve_refusal
 from test_obj_backend import HERE, s3_endpoint  # noqa: F401 - the S3 server fixture
 
 from lmcache_tiers.config import FieldError
-from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.l2.preflight import direct_io_refusal
 from lmcache_tiers.testing.ports import free_port
 
@@ -83,11 +83,13 @@ def test_remote_endpoint_probe() -> None:
         check_remote_endpoint("AZURE_BLOB", {"account_url": f"http://127.0.0.1:{port}/acct"})
     closed = free_port()
     with pytest.raises(
-        ConfigError, match=rf"127\.0\.0\.1:{closed}\) cannot be reached: .*backend_params\.account_url"
-    ):
+        FieldError, match=rf"127\.0\.0\.1:{closed}\) cannot be reached: .*backend_params\.account_url"
+    ) as caught:
         check_remote_endpoint("AZURE_BLOB", {"account_url": f"http://127.0.0.1:{closed}"})
-    with pytest.raises(ConfigError, match="not a URL with a host name"):
+    assert caught.value.field == "backend_params.account_url", "start-up names the adapter and the path"
+    with pytest.raises(FieldError, match="not a URL with a host name") as caught:
         check_remote_endpoint("AZURE_BLOB", {"account_url": "acct.blob.core.windows.net"})
+    assert caught.value.field == "backend_params.account_url"
     check_remote_endpoint("POSIX", {})  # only remote stores are probed
 
 
@@ -112,18 +114,18 @@ def test_obj_needs_a_bucket_and_a_reachable_endpoint_override() -> None:
         )
     closed = free_port()
     with pytest.raises(
-        ConfigError,
+        FieldError,
         match=rf"OBJ endpoint http://127\.0\.0\.1:{closed} \(127\.0\.0\.1:{closed}\) cannot be reached: "
         r".*backend_params\.endpoint_override",
-    ):
+    ) as caught:
         check_remote_endpoint("OBJ", {"bucket": "b", "endpoint_override": f"http://127.0.0.1:{closed}"})
+    assert caught.value.field == "backend_params.endpoint_override", "start-up names the adapter and the path"
 
 
 def test_obj_without_an_endpoint_override_is_probed_at_aws_own_endpoint_of_its_region() -> None:
     """Unprobed, a server with no route to AWS started and failed each store after about
     26 s of the SDK's retries with a bare NIXL_ERR_BACKEND."""
-    hint = "region (no endpoint_override: AWS's own endpoint)"
-    assert obj_endpoint({"bucket": "b"}, environ={}) == ("https://s3.us-east-1.amazonaws.com", hint)
+    assert obj_endpoint({"bucket": "b"}, environ={}) == ("https://s3.us-east-1.amazonaws.com", "region")
     assert obj_endpoint({"bucket": "b"}, environ={"AWS_DEFAULT_REGION": "eu-west-1"})[0] == (
         "https://s3.eu-west-1.amazonaws.com"
     )
@@ -213,4 +215,73 @@ def test_serve_names_the_adapter_and_path_of_a_misspelt_nixl_parameter(tmp_path:
     assert "backend_params use_urin not understood by NIXL's POSIX plugin" in error
     assert "nixl_store_dynamic" in error
     assert error.endswith("- at `$.l2_adapters[1].backend_params.use_urin`")
+    assert "Traceback" not in output
+
+
+def test_an_aws_endpoint_out_of_reach_is_refused_naming_endpoint_override_as_the_way_out() -> None:
+    # A name that does not resolve stands in for a host with no route to AWS.
+    def unresolvable(host: str, port: int) -> list[tuple[Any, ...]]:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    with pytest.raises(FieldError) as caught:
+        check_remote_endpoint("OBJ", {"bucket": "b", "region": "eu-west-1"}, environ={}, resolve=unresolvable)
+    assert caught.value.field == "backend_params.region"
+    assert str(caught.value).startswith(
+        "OBJ endpoint https://s3.eu-west-1.amazonaws.com (s3.eu-west-1.amazonaws.com:443) cannot be "
+        "reached: Name or service not known; with no backend_params.endpoint_override this is AWS's own "
+        "endpoint of the region"
+    )
+
+
+@pytest.mark.parametrize(
+    ("backend", "params", "path"),
+    [
+        ("OBJ", {"bucket": "b", "endpoint_override": "http://127.0.0.1:{closed}"}, "endpoint_override"),
+        (
+            "AZURE_BLOB",
+            {"account_url": "http://127.0.0.1:{closed}/acct", "container_name": "kv"},
+            "account_url",
+        ),
+        ("AZURE_BLOB", {"account_url": "acct.blob.core.windows.net", "container_name": "kv"}, "account_url"),
+    ],
+)
+def test_serve_names_the_adapter_and_path_of_an_endpoint_it_cannot_use(
+    backend: str, params: dict[str, str], path: str, tmp_path: Path
+) -> None:
+    closed = free_port()
+    adapters: list[dict[str, Any]] = [
+        {
+            "type": "nixl_store",
+            "backend": "POSIX",
+            "pool_size": 2,
+            "backend_params": {"file_path": str(tmp_path / "pool"), "use_direct_io": "false"},
+        },
+        {
+            "type": "nixl_store",
+            "backend": backend,
+            "pool_size": 4,
+            "backend_params": {key: value.format(closed=closed) for key, value in params.items()},
+        },
+    ]
+    error, output = serve_refusal(adapters, unset_module_env())
+    assert "1:nixl_store: l2 adapter 'nixl_store' from plugin 'lmcache-plugin-nixl': " in error
+    assert f"{backend} endpoint" in error or "is not a URL with a host name" in error
+    assert error.endswith(f"- at `$.l2_adapters[1].backend_params.{path}`")
+    assert "Traceback" not in output
+
+
+def test_serve_names_the_second_adapter_passing_other_parameters_to_one_backend(tmp_path: Path) -> None:
+    adapters = [
+        {
+            "type": "nixl_store",
+            "backend": "POSIX",
+            "pool_size": 2,
+            "backend_params": {"file_path": str(tmp_path / str(n)), "use_direct_io": "false", **extra},
+        }
+        for n, extra in enumerate(({}, {"kernel_queue_size": "64"}))
+    ]
+    error, output = serve_refusal(adapters, unset_module_env())
+    assert "already initialised in this process with other parameters (kernel_queue_size differs)" in error
+    assert "1:nixl_store: l2 adapter 'nixl_store'" in error
+    assert error.endswith("- at `$.l2_adapters[1].backend_params.kernel_queue_size`")
     assert "Traceback" not in output

@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from lmcache_plugin_nixl.config import connection_string_fields
-from lmcache_tiers.plugin import BackendUnavailableError, ConfigError, FieldError, direct_io_refusal
+from lmcache_tiers.plugin import BackendUnavailableError, FieldError, direct_io_refusal
 
 #: Backends that go through NVIDIA GPUDirect Storage and so need cuFile and a GPU.
 CUFILE_BACKENDS: frozenset[str] = frozenset({"GDS", "GDS_MT"})
@@ -92,10 +92,10 @@ def aws_s3_endpoint(params: dict[str, str], environ: Mapping[str, str] = os.envi
 
 def obj_endpoint(params: dict[str, str], environ: Mapping[str, str] = os.environ) -> tuple[str, str]:
     """(URL of the S3 service, the backend_params key naming it) for OBJ: the
-    ``endpoint_override``, else AWS's own endpoint of the region."""
+    ``endpoint_override``, else AWS's own endpoint of the region (``region``)."""
     url = params.get("endpoint_override", "").strip()
     if not url:
-        return aws_s3_endpoint(params, environ), "region (no endpoint_override: AWS's own endpoint)"
+        return aws_s3_endpoint(params, environ), "region"
     if "://" not in url:  # a bare host[:port]: the SDK puts `scheme` (https by default) first
         url = f"{params.get('scheme', '').strip() or 'https'}://{url}"
     return url, "endpoint_override"
@@ -212,8 +212,13 @@ def check_remote_endpoint(
         port = parts.port or (80 if parts.scheme == "http" else 443)
     except ValueError:
         host = ""
+    # FieldErrors, so that start-up names the adapter and the key's path, as it does for
+    # the configuration's own refusals.
     if not host:
-        raise ConfigError(f"backend_params.{key}: {url!r} is not a URL with a host name ({backend})")
+        raise FieldError(
+            f"backend_params.{key}",
+            f"backend_params.{key}: {url!r} is not a URL with a host name ({backend})",
+        )
     try:
         connect_within(host, port, timeout, resolve)
     except OSError as exc:
@@ -226,9 +231,15 @@ def check_remote_endpoint(
                 "for C++ leaves allowSystemProxy off and NIXL sets no proxy): the endpoint "
                 "must be reachable directly"
             )
-        raise ConfigError(
-            f"{backend} endpoint {url} ({host}:{port}) cannot be reached: {reason}; check "
-            f"backend_params.{key} and that the service is up{hint}"
+        advice = f"check backend_params.{key} and that the service is up"
+        if key == "region":
+            advice = (
+                "with no backend_params.endpoint_override this is AWS's own endpoint of the "
+                "region; give endpoint_override for another S3 service, or a route to AWS"
+            )
+        raise FieldError(
+            f"backend_params.{key}",
+            f"{backend} endpoint {url} ({host}:{port}) cannot be reached: {reason}; {advice}{hint}",
         ) from None
 
 

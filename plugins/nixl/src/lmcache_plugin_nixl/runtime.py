@@ -33,7 +33,7 @@ from lmcache_plugin_nixl.availability import (
     check_remote_endpoint,
     describe_missing_plugin,
 )
-from lmcache_tiers.plugin import BackendUnavailableError, ConfigError, FieldError, TiersError
+from lmcache_tiers.plugin import BackendUnavailableError, FieldError, TiersError
 
 log = logging.getLogger(__name__)
 
@@ -230,10 +230,12 @@ class NixlRuntime:
                         if existing.get(key) != init_params.get(key)
                     )
                     verb = "differs" if len(differing) == 1 else "differ"
-                    raise ConfigError(
+                    # A FieldError, so that start-up names the adapter refused (the later one).
+                    raise FieldError(
+                        f"backend_params.{differing[0]}",
                         f"NIXL backend {backend} is already initialised in this process with other "
                         f"parameters ({', '.join(differing)} {verb}); every adapter using {backend} "
-                        "must pass the same NIXL parameters"
+                        "must pass the same NIXL parameters",
                     )
                 return
             try:
