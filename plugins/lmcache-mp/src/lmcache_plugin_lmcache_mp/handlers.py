@@ -66,7 +66,7 @@ NOT_SERVED: dict[str, str] = {
 #: operations whose handler is told the client's connection (``peer``): registrations,
 #: transfers, whose commit finishes only what a prepare on the same connection began, and
 #: pings, which ask a connection that did not register its instance to register it
-_BY_CONNECTION = frozenset(
+BY_CONNECTION = frozenset(
     {
         "ping",
         "register_kv_cache_engine_driven_context",
@@ -115,9 +115,10 @@ class Handlers:
         }
 
     def dispatch(self, name: str, args: list[Any], peer: bytes) -> Any:
-        """Run operation ``name``; ``peer`` is the ZeroMQ identity of the client's
-        connection, which (un)registrations and transfers record and check."""
-        if name in _BY_CONNECTION:
+        """Run operation ``name``; ``peer`` names the client's connection (its ZeroMQ
+        identity and socket, ``MPServer.connection``), which (un)registrations and
+        transfers record and check."""
+        if name in BY_CONNECTION:
             return self.table[name](*args, peer=peer)
         return self.table[name](*args)
 

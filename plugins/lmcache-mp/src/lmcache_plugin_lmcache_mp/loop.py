@@ -14,6 +14,7 @@ counted, and -- like LMCache's server -- not answered.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -24,7 +25,7 @@ import msgspec
 import zmq
 
 from lmcache_plugin_lmcache_mp.base import Deferred, failure_reason
-from lmcache_plugin_lmcache_mp.handlers import NOT_SERVED, Handlers
+from lmcache_plugin_lmcache_mp.handlers import BY_CONNECTION, NOT_SERVED, Handlers
 from lmcache_plugin_lmcache_mp.wire import (
     MAX_ARGUMENT_BYTES,
     CacheKey,
@@ -207,16 +208,17 @@ class MPServer:
             )
             return
         transfers = self.handlers.transfers
-        if name == "prepare_store" and self._first_frame is not None:
-            # Its writer's process is read off the descriptor this message came in on,
-            # during the call: once the connection closes, the number is another's.
-            try:
-                transfers.source_fd = int(self._first_frame.get(zmq.SRCFD))
-            except zmq.ZMQError:
-                transfers.source_fd = -1  # a libzmq that does not say: the process stays unknown
+        peer = identity
+        if name in BY_CONNECTION:
+            fd = self._source_fd()
+            peer = connection(identity, fd)
+            if name == "prepare_store":
+                # Its writer's process is read off the descriptor this message came in on,
+                # during the call: once the connection closes, the number is another's.
+                transfers.source_fd = fd
         try:
             args = decode_arguments(name, arg_frames)
-            result = self.handlers.dispatch(name, args, identity)
+            result = self.handlers.dispatch(name, args, peer)
         except Exception as exc:
             self._failed(name, uid, arg_frames, exc)
             return
@@ -227,13 +229,24 @@ class MPServer:
         else:
             self._send(identity, uid, op, result)
 
+    def _source_fd(self) -> int:
+        """The descriptor the message being handled came in on (-1: not known, as over
+        ``inproc://`` or from a libzmq that does not say); read while it is handled."""
+        if self._first_frame is None:
+            return -1
+        try:
+            return int(self._first_frame.get(zmq.SRCFD))
+        except zmq.ZMQError:
+            return -1
+
     def _refuse_store_at_stop(self, identity: bytes, arg_frames: list[bytes]) -> None:
         """Count the keys of a store refused because the server stops (none are stored)."""
         try:
             key, instance_id, data = decode_arguments("commit_store", arg_frames)
         except ValueError:
             return  # not a store at all: the request alone is counted
-        self.handlers.transfers.refuse_commit_at_stop(key, instance_id, data, peer=identity)
+        peer = connection(identity, self._source_fd())
+        self.handlers.transfers.refuse_commit_at_stop(key, instance_id, data, peer=peer)
 
     # -- pool hand-off ---------------------------------------------------------------------
 
@@ -335,6 +348,23 @@ class _PoolRequest:
                 return False
             self.given_up = True
             return True
+
+
+def connection(identity: bytes, fd: int) -> bytes:
+    """What names a client's connection: its routing identity, then the inode of the
+    server's socket for it (8 bytes; 0 when the descriptor is not known).  An identity
+    alone is the peer's choice (``ZMQ_ROUTING_ID``), free again once its connection
+    drops: another connection taking it must not commit, abort or unregister what the
+    first one prepared or registered -- a commit of a reservation nobody copied into
+    makes its extent's stale bytes readable as those keys.  Unlike its descriptor's
+    number, a socket's inode is never another connection's while that one is open."""
+    inode = 0
+    if fd >= 0:
+        try:
+            inode = os.fstat(fd).st_ino
+        except OSError:
+            pass  # closed already: nothing it sent is answered
+    return identity + inode.to_bytes(8, "big")
 
 
 def _never_answered() -> None:

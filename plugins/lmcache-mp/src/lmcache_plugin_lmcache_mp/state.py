@@ -38,7 +38,8 @@ __all__ = ["Instance", "LookupJob", "PendingTransfers", "RequestTable", "Transfe
 #: is forgotten and must register again
 MAX_MAPPING_CONNECTIONS = 64
 
-#: a client connection's ZeroMQ identity (named: Transfer has a field called ``bytes``)
+#: a client connection: its ZeroMQ identity and its socket (``loop.connection``; named:
+#: Transfer has a field called ``bytes``)
 Peer = bytes
 
 #: what a commit names: (instance id, connection, request id, keys of the range)
@@ -55,7 +56,7 @@ class Instance:
     layout: TensorLayout
     registered: float
     last_seen: float
-    #: the ZeroMQ identity of the connection whose registration is in force: only it may
+    #: the connection (``Peer``) whose registration is in force: only it may
     #: unregister the instance (an earlier process of a restarted client may not)
     peer: bytes = b""
     pinged: bool = False
@@ -271,7 +272,7 @@ class Transfer:
     #: these objects only (``commit_reserved``, ``abort_reserved``): a key whose reservation
     #: L1 reaped may be another writer's by then.
     reserved: Mapping[ObjectKey, Any] = field(default_factory=dict)
-    #: the ZeroMQ identity of the connection that prepared it: two client processes may
+    #: the connection (``Peer``) that prepared it: two client processes may
     #: send the same instance and request ids (``lmcache bench server`` uses fixed ones),
     #: and one must never commit, abort or replace the other's transfer
     peer: Peer = b""
