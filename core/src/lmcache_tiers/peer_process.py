@@ -64,7 +64,9 @@ __all__ = [
     "peer_socket",
     "peer_socket_pids",
     "pidfd_exited",
+    "process_exiting",
     "socket_holders",
+    "socket_orphaned",
     "watch_peer",
     "watch_peer_socket",
     "watch_writer_socket",
@@ -242,6 +244,13 @@ def _diag_inode(local: tuple[bytes, int], remote: tuple[bytes, int]) -> int | No
     has no sock_diag handler for TCP (``inet_diag``/``tcp_diag`` are modules, which a
     container may neither find loaded nor load), where every client would be taken as
     gone and its process never found; the table tells the two apart."""
+    answer = _diag_answer(local, remote)
+    return answer if answer is None else max(answer, 0)
+
+
+def _diag_answer(local: tuple[bytes, int], remote: tuple[bytes, int]) -> int | None:
+    """:func:`_diag_inode`'s answer, with -1 for one naming another socket than asked
+    (where 0 is the asked socket, owned by no process)."""
     family = socket.AF_INET if len(local[0]) == 4 else socket.AF_INET6
     # sport and dport go in network order through "!": the struct packs them so
     wanted = _DIAG_SOCKID.pack(
@@ -265,12 +274,12 @@ def _diag_inode(local: tuple[bytes, int], remote: tuple[bytes, int]) -> int | No
     except struct.error:
         return None
     if found_family not in (socket.AF_INET, socket.AF_INET6):
-        return 0
+        return -1
     # Compared by address and port only (the interface and cookie are the socket's own); a
     # dual-stack client's socket is an IPv6 one, answered with v4-mapped addresses.
     sport, dport, source, destination, _, _ = _DIAG_SOCKID.unpack(sockid)
     found = (_diag_address(found_family, source), sport), (_diag_address(found_family, destination), dport)
-    return int(inode) if found == (local, remote) else 0
+    return int(inode) if found == (local, remote) else -1
 
 
 def _diag_address(family: int, raw: bytes) -> bytes:
@@ -284,6 +293,12 @@ def _table_inode(local: tuple[bytes, int], remote: tuple[bytes, int]) -> int:
     """The inode of the TCP socket with these addresses in ``/proc/net/tcp{,6}`` (0:
     none).  An IPv4 address is looked for in ``tcp`` as is and in ``tcp6`` v4-mapped (a
     dual-stack client)."""
+    return _table_entry(local, remote) or 0
+
+
+def _table_entry(local: tuple[bytes, int], remote: tuple[bytes, int]) -> int | None:
+    """:func:`_table_inode`, None when no line lists the socket (0: listed, owned by no
+    process)."""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table, encoding="ascii") as lines:
@@ -296,7 +311,7 @@ def _table_inode(local: tuple[bytes, int], remote: tuple[bytes, int]) -> int:
                         return int(fields[9])
         except (OSError, ValueError):
             continue
-    return 0
+    return None
 
 
 def _address(text: str) -> tuple[bytes, int]:
@@ -467,6 +482,43 @@ def maps_file(pids: tuple[int, ...], device: int, inode: int) -> bool:
         except OSError:
             continue  # exited, or not ours to read: not known to map it
     return False
+
+
+def socket_orphaned(peer: PeerSocket) -> bool:
+    """Whether the client's end of the loopback TCP connection ``peer`` is owned by no
+    process: the kernel names that very socket (its addresses) with no inode, as it does
+    once every process holding it has closed it or exited (``FIN_WAIT``/``TIME_WAIT``).
+    False whenever that cannot be told: a socket the kernel does not name (reset and
+    unhashed, or never here) may still be held."""
+    if not (peer.far and peer.near) or peer.remote:
+        return False
+    try:
+        far, near = _ip(peer.far), _ip(peer.near)
+        local, remote = (far.packed, int(str(peer.far[1]))), (near.packed, int(str(peer.near[1])))
+    except (ValueError, IndexError):
+        return False
+    answer = _diag_answer(local, remote)
+    if answer is None:
+        answer = _table_entry(local, remote)
+    return answer == 0
+
+
+def process_exiting(pid: int) -> bool:
+    """Whether process ``pid`` has begun to exit (the kernel's ``PF_EXITING`` in
+    ``/proc/<pid>/stat``, set before it closes its descriptors); False when that cannot
+    be read (it is gone, or not ours to read)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            # pid (comm) state ppid pgrp session tty_nr tpgid flags ...: the name may hold
+            # spaces and parentheses
+            flags = int(stat.read().rpartition(")")[2].split()[6])
+    except (OSError, ValueError, IndexError):
+        return False
+    return bool(flags & _PF_EXITING)
+
+
+#: task flag: the task is exiting (include/linux/sched.h)
+_PF_EXITING = 0x00000004
 
 
 def pidfd_exited(pidfd: int) -> bool:

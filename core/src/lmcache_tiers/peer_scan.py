@@ -12,7 +12,11 @@ if the loop thread ran it.  :class:`ConnectionPeers` is what both front ends use
 * a worker thread of its own scans and opens the pidfds, then arms the watch.  A pending
   watch never says its process exited, so a fence waiting for it stays (nothing is given
   back early); a loopback writer that exited before its scan ran is not found (its socket
-  is gone) and its watch is armed with none, as for any process that cannot be told;
+  is gone), so the process its hint (the client's word: the native HELLO pid) names is
+  pinned by a pidfd when the connection is first seen, and a scan that finds the client's
+  socket owned by no process arms the watch with that pinned process if it has exited or
+  is exiting (:attr:`PeerWatch.pin`); otherwise such a watch is armed with none, as for
+  any process that cannot be told;
 * a connection is looked up once, pending or done, told apart by its descriptor and the
   inode of the server's socket (unique while the socket is open; a descriptor number is
   reused once it closes, and the closed connection is forgotten then);
@@ -52,7 +56,14 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 
 from lmcache_tiers.burst import BurstLog
-from lmcache_tiers.peer_process import PeerProcess, PeerSocket, peer_socket, watch_peer_socket
+from lmcache_tiers.peer_process import (
+    PeerProcess,
+    PeerSocket,
+    peer_socket,
+    process_exiting,
+    socket_orphaned,
+    watch_peer_socket,
+)
 
 __all__ = ["ConnectionPeers", "PeerScanner", "PeerWatch"]
 
@@ -75,6 +86,9 @@ class PeerWatch:
         self._watch: PeerProcess | None = None
         #: the processes found at the far end do not map the arena: not the writer
         self.not_writer = False
+        #: the process the client's hint named when the connection was first seen, pinned
+        #: by a pidfd until the scan ends (see :meth:`ConnectionPeers._settle`)
+        self.pin: PeerProcess | None = None
         self.armed = threading.Event()
 
     def arm(self, watch: PeerProcess | None, *, not_writer: bool = False) -> None:
@@ -140,6 +154,7 @@ class ConnectionPeers:
         self._lock = threading.Lock()
         self._scan_errors = BurstLog(logger)
         self._failure_log = BurstLog(logger)
+        self._gone = BurstLog(logger, level=logging.INFO)
 
     def watch(self, fd: int, hint: int = 0) -> PeerWatch | None:
         """The watch of the process at the other end of the connection whose message came
@@ -170,8 +185,11 @@ class ConnectionPeers:
             # logged) once per connection.
             watch.arm(None)
             self._failures.append(self.foreign)
-        elif not self._submit(watch):
-            return watch  # given up (counted): pending for ever, looked up again next time
+        else:
+            watch.pin = _pin(peer.hint)
+            if not self._submit(watch):
+                _unpin(watch)
+                return watch  # given up (counted): pending for ever, looked up again next time
         self._of[fd] = (inode, watch)
         if len(self._of) > self._max_connections:
             self._of.popitem(last=False)
@@ -216,6 +234,7 @@ class ConnectionPeers:
         if found is not None and not found.writer:
             found.close()  # a relay, or a process that never mapped the arena: never waited for
             failure, found, not_writer = self.not_writer, None, True
+        pinned = watch.pin if found is None and _gone_with_its_pin(watch) else None
         with self._lock:
             if watch.armed.is_set():  # settled meanwhile by the other thread, which counted it
                 if found is not None:
@@ -223,6 +242,20 @@ class ConnectionPeers:
                 return
             if failure is not None:
                 self._failures.append(failure)  # once per connection: by the thread arming it
+            if pinned is not None:
+                # Not shared by pid: the pin is of a process that has exited, or is exiting,
+                # whose pid may already name another process.
+                watch.pin = None
+                self._gone.warn(
+                    "gone",
+                    "a client connection was closed before its process lookup ran, the process "
+                    "its HELLO named exiting or gone (pid %d): that process is taken as its "
+                    "writer, whose exit lifts its fences",
+                    pinned.pids[0],
+                )
+                watch.arm(pinned, not_writer=not_writer)
+                return
+            _unpin(watch)
             if found is not None:
                 shared = self._by_pids.get(found.pids)
                 if shared is not None and not shared.exited():
@@ -279,3 +312,34 @@ class ConnectionPeers:
         if self._worker is not None:
             self._queue.put_nowait(None)
             self._worker.join(timeout=1.0)  # one scan may be running: it is let finish
+
+
+def _pin(hint: int) -> PeerProcess | None:
+    """A pidfd on the process the client says it is, opened while its connection's first
+    request is handled (the pid may name another process once that one exits)."""
+    if hint <= 0 or hint == os.getpid():
+        return None
+    try:
+        return PeerProcess((hint,), [os.pidfd_open(hint)])
+    except OSError:  # no such process, or no pidfds here: nothing pinned
+        return None
+
+
+def _unpin(watch: PeerWatch) -> None:
+    pin, watch.pin = watch.pin, None
+    if pin is not None:
+        pin.close()
+
+
+def _gone_with_its_pin(watch: PeerWatch) -> bool:
+    """Whether a connection whose scan named no writer is known gone with the process its
+    hint pinned: the client's socket is owned by no process (every holder closed it, or
+    exited), and the pinned process has exited or is exiting (marked so before it closes
+    its descriptors).  A client that closed its connection and
+    lives on (a dropped connection it comes back from) leaves its pin mapping memory, so
+    the HELLO pid stands in for it as before; one whose hint names another process keeps
+    its fences as before unless that process ends within the same moments."""
+    pin = watch.pin
+    if pin is None or not socket_orphaned(watch.peer):
+        return False
+    return pin.exited() or process_exiting(pin.pids[0])
