@@ -4,6 +4,7 @@ backend that deletes nothing ends the cycle early instead of being asked about e
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -71,6 +72,29 @@ def test_a_backend_that_deletes_nothing_ends_the_cycle_early(adapters: list[Back
     assert failures["l2_eviction_delete_failed"] == backend.calls["delete_many"], (
         "every failed delete counted"
     )
+
+
+def test_a_backend_that_deletes_nothing_is_asked_again_only_on_the_next_interval(
+    adapters: list[BackendAdapter],
+) -> None:
+    adapter = full_adapter(adapters, Undeletable)
+    controller = evicting(adapter)
+    controller.interval_s = 3600.0  # no cycle comes by the clock during the test
+    fill(adapter)
+    backend = adapter.backend
+    assert isinstance(backend, Undeletable)
+    controller.start()
+    try:
+        assert controller.wait_idle(30)
+        asked = backend.calls["delete_many"]  # a cycle or two: at start, and wait_idle's
+        assert asked > 0
+        # Nothing is stored and nothing woke the controller: a delete's return must not
+        # start another cycle (before, each did, and an idle server retried ~900 refused
+        # deletes a second).  A short quiet spell shows it.
+        time.sleep(0.5)
+        assert backend.calls["delete_many"] == asked, "a refused delete started another cycle at once"
+    finally:
+        controller.stop(0.0)
 
 
 def test_a_long_run_of_pinned_victims_is_skipped_and_eviction_goes_on(adapters: list[BackendAdapter]) -> None:

@@ -623,7 +623,13 @@ class L2EvictionController(ControllerThread):
             with self._delete_done:
                 outcome.append(result)
                 self._delete_done.notify_all()
-            self.wake()  # a cycle skipped while this delete hung may evict now
+                given_up = self._hung_delete is threading.current_thread()
+            # Only a delete its cycle gave up on wakes the next one (skipped while it hung,
+            # it may evict now): a cycle that waited goes on by itself, and a wake from
+            # every delete ran cycle after cycle of deletes a backend refuses, on an idle
+            # server, instead of one a second.
+            if given_up:
+                self.wake()
 
         thread = threading.Thread(target=run, name=f"{self.name}-delete", daemon=True)
         # Begun before its thread starts, which a loaded machine may not run before the
