@@ -6,7 +6,8 @@ from lmcache_tiers.plugin import ComponentConfig, KindRegistry, hookimpl
 
 
 class DefaultStoreConfig(ComponentConfig):
-    """Store every written object in every L2 adapter; never delete it from L1."""
+    """Store every written object in every L2 adapter, and keep its L1 copy once stored
+    (only L1 eviction frees it, as it frees any object)."""
 
 
 @hookimpl
