@@ -29,6 +29,7 @@ from lmcache_plugin_lmcache_mp.handlers import BY_CONNECTION, NOT_SERVED, Handle
 from lmcache_plugin_lmcache_mp.wire import (
     MAX_ARGUMENT_BYTES,
     CacheKey,
+    EncodedReply,
     decode_arguments,
     encode_reply,
     operation_name,
@@ -319,7 +320,12 @@ class MPServer:
 
     def _send(self, identity: bytes, uid: bytes, op: bytes, result: Any) -> None:
         # None (LMCache's "void") goes as no payload frame
-        frames = [identity, uid, op] if result is None else [identity, uid, op, encode_reply(result)]
+        if result is None:
+            frames = [identity, uid, op]
+        elif isinstance(result, EncodedReply):
+            frames = [identity, uid, op, result.payload]
+        else:
+            frames = [identity, uid, op, encode_reply(result)]
         self.router.send(frames)
 
 

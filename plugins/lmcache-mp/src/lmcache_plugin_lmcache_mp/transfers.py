@@ -60,7 +60,14 @@ from lmcache_plugin_lmcache_mp.state import (
     PendingTransfers,
     Transfer,
 )
-from lmcache_plugin_lmcache_mp.wire import CacheKey, PrepareRetrieveReply, PrepareStoreReply
+from lmcache_plugin_lmcache_mp.unread import UnreadReplies
+from lmcache_plugin_lmcache_mp.wire import (
+    CacheKey,
+    EncodedReply,
+    PrepareRetrieveReply,
+    PrepareStoreReply,
+    encode_reply,
+)
 from lmcache_tiers.plugin import BurstLog, KeyValidationError, L1OutOfMemoryError, ObjectKey, printable
 
 logger = logging.getLogger(__name__)
@@ -98,6 +105,9 @@ class Transfers:
         self._pickle_rejections = BurstLog(logger, "mp_pickle_rejected")
         self._lost_commits = BurstLog(logger, "mp_commit_lost", level=logging.ERROR)
         self._expiries = BurstLog(logger, "mp_transfer_expired")
+        #: each connection's pickled replies not taken off the server yet (``unread.py``)
+        self.unread = UnreadReplies(shared.config.max_message_mb << 20)
+        self._unread_refusals = BurstLog(logger, "mp_replies_unread")
         self._unmapped = BurstLog(logger, "mp_transfer_unregistered_connection")
         # its own window: a line of one cause must not hide the other's
         self._forgotten = BurstLog(logger, "mp_transfer_unregistered_connection")
@@ -546,6 +556,8 @@ class Transfers:
             return _MISS
         if self.shared.shm is not None and not self._maps_segment(instance, peer, "retrieve"):
             return _MISS
+        if self.shared.shm is None and self.unread.over_bound(peer):
+            return self._refuse_unread(peer)
         now = time.monotonic()
         deadline = now + self.shared.lock_ttl_s  # not after L1's own (see prepare_store)
         objects = self.storage.read(keys)
@@ -566,7 +578,7 @@ class Transfers:
         total = size * len(objects)
         lookup = self.lookups.current(key.request_id)
         if self.shared.shm is None:
-            return self._retrieve_pickled(key, instance, keys, objects, not_before, lookup)
+            return self._retrieve_pickled(key, instance, keys, objects, not_before, lookup, peer)
         transfer = Transfer(keys, deadline, key.request_id, total, not_before, peer=peer, lookup=lookup)
         self.reads.add(instance_id, keys, transfer)
         self._count_retrieve(len(objects), total)
@@ -585,8 +597,9 @@ class Transfers:
         objects: list[Any],
         not_before: float,
         lookup: LookupJob | None,
+        peer: bytes,
     ) -> Deferred:
-        codec, storage = self.shared.pickle, self.storage
+        codec, storage, unread = self.shared.pickle, self.storage, self.unread
         assert codec is not None
         retrieve = _PickledRetrieve(keys, not_before)
         self._pickled_retrieves.add(retrieve)
@@ -594,6 +607,11 @@ class Transfers:
         def work() -> Callable[[], Any]:
             if not retrieve.start():  # the stop gave up on it and gave its locks back
                 return partial(self._end_pickled_retrieve, retrieve, self._lost_retrieve)
+            if unread.over_bound(peer):
+                # Asked again here: a burst of requests sent at once all passed the loop's
+                # check before the pool encoded any reply.
+                storage.release(keys, not_before=not_before)
+                return partial(self._end_pickled_retrieve, retrieve, partial(self._refuse_unread, peer))
             try:
                 try:
                     chunks = [storage.lend(obj).detach() for obj in objects]
@@ -605,6 +623,11 @@ class Transfers:
                 finally:
                     storage.release(keys, not_before=not_before)
                 data = codec.dump(chunks, instance.layout)
+                del chunks
+                reply = unread.track(
+                    peer, encode_reply(PrepareRetrieveReply(success=True, data=data, context={}))
+                )
+                del data
             except Exception as exc:
                 error = exc
 
@@ -619,7 +642,7 @@ class Transfers:
             def answer() -> Any:
                 self.lookups.consume(lookup, keys)
                 self._count_retrieve(len(keys), instance.object_bytes * len(keys))
-                return PrepareRetrieveReply(success=True, data=data, context={})
+                return EncodedReply(reply)
 
             return partial(self._end_pickled_retrieve, retrieve, answer)
 
@@ -630,6 +653,18 @@ class Transfers:
         counted it) meanwhile."""
         self._pickled_retrieves.discard(retrieve)
         return _MISS if retrieve.given_up else answer()
+
+    def _refuse_unread(self, peer: bytes) -> Any:
+        """A pickled retrieve of a connection whose replies not read yet reach their bound:
+        a miss (the engine recomputes), counted and logged."""
+        self.shared.stats.failure("mp_replies_unread")
+        self._unread_refusals.event(
+            1,
+            f"pickled retrieves answered a miss: their connection's replies not read yet hold "
+            f"{self.unread.held(peer)} bytes of the server's memory (bound {self.unread.bound}, "
+            "max_message_mb); the client must read its replies before asking for more",
+        )
+        return _MISS
 
     def _lost_retrieve(self) -> Any:
         self.shared.stats.failure("mp_retrieve_object_lost")

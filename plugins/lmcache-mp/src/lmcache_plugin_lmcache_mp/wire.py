@@ -193,6 +193,15 @@ def encode_reply(value: Any) -> bytes:
     return _ENCODER.encode(value)
 
 
+class EncodedReply:
+    """A reply encoded already (off the loop thread), sent as ``payload`` as it is."""
+
+    __slots__ = ("payload",)
+
+    def __init__(self, payload: Any) -> None:
+        self.payload = payload
+
+
 def peek_uid(frame: bytes) -> str:
     """A request number for log lines, whatever the frame holds."""
     if len(frame) > _MAX_UID_FRAME:
