@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import logging
 import threading
+import urllib.parse
+import urllib.request
 
 import pytest
 from lmcache_plugin_mooncake.cluster import LocalCluster
 from mooncake_helpers import backend_of, config_for, eventually, open_adapter
 
 from lmcache_tiers.errors import ConfigError
+from lmcache_tiers.testing.ports import free_port
 
 #: more memory than any host can map: Mooncake's set-up cannot allocate it
 UNALLOCATABLE = 1 << 60
@@ -67,4 +70,34 @@ def test_a_refusal_once_the_master_is_up_is_retried_and_shown(
             )
         assert adapter.stats()["connected"] == 0
     finally:
+        adapter.close()
+
+
+def test_a_local_hostname_with_a_port_another_client_holds_fails_the_start_naming_it(
+    mooncake_pool: LocalCluster,
+) -> None:
+    # With a port, the value is the segment's name as is: a second client under it is
+    # refused with the -600 a segment Mooncake cannot allocate gets too.
+    name = f"127.0.0.1:{free_port()}"
+    first = open_adapter(config_for(mooncake_pool, local_hostname=name, global_segment_size="16MiB"))
+    try:
+        assert first.stats()["connected"] == 1
+        with pytest.raises(ConfigError) as caught:
+            open_adapter(config_for(mooncake_pool, local_hostname=name, global_segment_size="16MiB"))
+        text = str(caught.value)
+        assert text.startswith(
+            f"0:mooncake_store: local_hostname '{name}': another Mooncake client holds this name"
+        )
+        assert "global_segment_size" not in text
+        # The refused start left the holder's entry alone (Mooncake's own refusal drops it).
+        entry = urllib.parse.quote(f"mooncake/rpc_meta/{name}", safe="")
+        with urllib.request.urlopen(f"{mooncake_pool.metadata_server}?key={entry}", timeout=10) as answer:
+            assert answer.status == 200
+    finally:
+        first.close()
+    # A name no other client holds starts, with or without a port.
+    for local_hostname in (f"127.0.0.1:{free_port()}", "banana"):
+        adapter = open_adapter(
+            config_for(mooncake_pool, local_hostname=local_hostname, global_segment_size="16MiB")
+        )
         adapter.close()

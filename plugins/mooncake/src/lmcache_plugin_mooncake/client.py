@@ -30,7 +30,7 @@ from typing import Any
 
 from lmcache_plugin_mooncake.calls import CallPool, CallTimeout
 from lmcache_plugin_mooncake.config import MooncakeStoreConfig
-from lmcache_plugin_mooncake.diagnosis import unanswered_services, unreachable_service
+from lmcache_plugin_mooncake.diagnosis import segment_name_holder, unanswered_services, unreachable_service
 from lmcache_plugin_mooncake.headers import HeaderLanes, address_of
 from lmcache_plugin_mooncake.metadata_plugins import missing_metadata_plugin
 from lmcache_tiers.plugin import BackendUnavailableError, ConfigError, TiersError
@@ -325,6 +325,11 @@ class Connection:
         unreachable = unreachable_service(config, diagnosis_s)
         if unreachable is not None:
             raise MooncakeError(f"set-up not tried: {unreachable}")
+        # Not tried either under a name another client holds: Mooncake would refuse it, and
+        # drop the holder's entry from the metadata server on the way.
+        taken = segment_name_holder(config, diagnosis_s)
+        if taken is not None:
+            raise SetupRefused(taken)
         with _SETUP_LOCK:
             applied = apply_timeout_environment(config.operation_timeout_s)
             logger.debug(

@@ -17,7 +17,7 @@ import urllib.request
 
 from lmcache_plugin_mooncake.config import MooncakeStoreConfig
 
-__all__ = ["unanswered_services", "unreachable_service"]
+__all__ = ["segment_name_holder", "unanswered_services", "unreachable_service"]
 
 #: the key asked of the metadata server (never stored)
 _PROBE_KEY = "lmcache-tiers-setup-probe"
@@ -57,6 +57,36 @@ def unreachable_service(config: MooncakeStoreConfig, timeout_s: float) -> str | 
     except OSError as exc:
         return f"master_server_address {config.master_server_address} does not answer ({_reason(exc)})"
     return _metadata_problem(config, timeout_s, answered_only=True)
+
+
+def segment_name_holder(config: MooncakeStoreConfig, timeout_s: float) -> str | None:
+    """Why ``local_hostname`` cannot be set up because another Mooncake client holds it,
+    or None when it does not or that cannot be told.  Mooncake names a client's segment
+    after ``local_hostname``, adding a free port of its own unless the value ends in one;
+    a name with a port is used as is, and a second client under it (another server with
+    this config, or this one started again within seconds of a crash, before the master
+    drops the old one) was refused with -600, the answer to a segment it cannot allocate,
+    after removing the holder's entry from the metadata server.  That HTTP server holds
+    each live client's name (Mooncake's ``rpc_meta`` key), so it is asked before the
+    set-up when the name has a port; other metadata services are not asked."""
+    name = config.local_hostname
+    if re.fullmatch(r"(?:\[[^\]]*\]|[^:\[\]]*):\d+", name) is None:
+        return None
+    url = config.metadata_server
+    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+        return None
+    separator = "&" if "?" in url else "?"
+    key = urllib.parse.quote(f"mooncake/rpc_meta/{name}", safe="")
+    try:
+        with urllib.request.urlopen(f"{url}{separator}key={key}", timeout=timeout_s):
+            pass
+    except (OSError, http.client.HTTPException):  # 404 (an HTTPError) included: the name is free
+        return None
+    return (
+        f"local_hostname {name!r}: another Mooncake client holds this name (a value ending in a "
+        "port is this server's segment name as is, and Mooncake refuses a second client under "
+        "it); give each server its own, or leave the port out and Mooncake picks a free one"
+    )
 
 
 def _split(address: str) -> tuple[str, int]:
