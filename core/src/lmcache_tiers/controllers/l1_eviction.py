@@ -76,7 +76,8 @@ class _PolicyFeed:
             with plugin_code():
                 self._controller.policy.on_keys_removed(keys)
         except Exception:
-            # The policy may keep these keys: its walks may offer them (L1 skips them).
+            # The policy may keep these keys: its walks may offer them (L1 skips them,
+            # counted as l1_eviction_policy_unknown_victim).
             self._controller.removals_unreported += len(keys)
             self._controller._policy_failed()
 
@@ -123,6 +124,7 @@ class L1EvictionController(ControllerThread):
         # traceback, then one line per burst; the counter has every failure.
         self._policy_log = PolicyFailureLog(logger, "l1_eviction_policy_error")
         self._overrun_log = BurstLog(logger, "l1_eviction_policy_overrun")
+        self._unknown_log = BurstLog(logger, "l1_eviction_policy_unknown_victim")
         # Stuck above the watermark, every write's wake-up runs a fruitless round.
         self._stuck_log = BurstLog(logger, "l1_nothing_evictable")
         # Keys whose removal the policy failed to take (under the L1 lock): it may still
@@ -153,6 +155,7 @@ class L1EvictionController(ControllerThread):
             before, objects = self.l1.used_bytes, len(self.l1)
             walk: Iterator[ObjectKey] | None = None
             passed_locked: list[ObjectKey] | None = [] if self._sets_aside else None
+            unknown: list[ObjectKey] = []
             try:
                 # victims() is created inside the L1 lock: no listener can touch the
                 # policy while its iterator is alive.
@@ -164,7 +167,11 @@ class L1EvictionController(ControllerThread):
                     walk = self.policy.victims()
                 victims = bounded_walk(plugin_walk(walk), limit, self._walk_overran)
                 eviction = self.l1.make_room(
-                    bytes_to_free, victims, spare_unstored=spare_unstored, passed_locked=passed_locked
+                    bytes_to_free,
+                    victims,
+                    spare_unstored=spare_unstored,
+                    passed_locked=passed_locked,
+                    unknown=unknown,
                 )
             except Exception:
                 # A broken policy must not fail the write or prefetch that needed room.  The
@@ -176,6 +183,7 @@ class L1EvictionController(ControllerThread):
                 if not evicted:
                     end_fruitless_walk(self.policy, None)
                 self._count_evicted(evicted, freed)
+                self._count_unknown(unknown)
                 return freed
             # Cut short once the room is made; its eviction stands if its cleanup fails.
             self._close_walk(walk)
@@ -185,6 +193,7 @@ class L1EvictionController(ControllerThread):
                 self._set_aside(passed_locked)
             freed = before - self.l1.used_bytes
         self._count_evicted(len(eviction.keys), freed)
+        self._count_unknown(unknown)
         if eviction.unstored:
             self.stats.fail("evicted_before_l2_store", len(eviction.unstored))
             self._lost_writes.event(
@@ -241,6 +250,18 @@ class L1EvictionController(ControllerThread):
     def _policy_failed(self) -> None:
         self.stats.fail("l1_eviction_policy_error")
         self._policy_log.failed("L1 eviction policy failed")
+
+    def _count_unknown(self, unknown: list[ObjectKey]) -> None:
+        """Count and log the victims a walk offered that L1 holds no stored object of."""
+        if not unknown:
+            return
+        self.stats.fail("l1_eviction_policy_unknown_victim", len(unknown))
+        self._unknown_log.event(
+            len(unknown),
+            "victims the L1 eviction policy offered that L1 holds no stored object of (not "
+            "held, or a reservation being written) were skipped: the policy holds keys it "
+            "was told were removed, or never heard of",
+        )
 
     def _walk_overran(self) -> None:
         self.stats.fail("l1_eviction_policy_overrun")

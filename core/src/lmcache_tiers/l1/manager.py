@@ -477,6 +477,7 @@ class L1Manager:
         *,
         spare_unstored: bool = False,
         passed_locked: list[ObjectKey] | None = None,
+        unknown: list[ObjectKey] | None = None,
     ) -> Eviction:
         """Delete unlocked READY victims, in the given order, until ``bytes_to_free`` aligned
         bytes are freed or the victims run out (among stored victims, an extent held back
@@ -491,10 +492,16 @@ class L1Manager:
         passed over, in victim order, and L1 remembers them as set aside: a caller whose
         policy leaves them out of its walks until their locks end
         (``take_unlocked_set_aside``) walks past each locked object once, not on every
-        eviction.
+        eviction.  ``unknown``, when given, receives the victims L1 holds no READY object of
+        (not held, or being written), skipped: a policy hears only of READY keys and of
+        removals, so a correct one offers none.
         """
         return self._removal.make_room(
-            bytes_to_free, victims, spare_unstored=spare_unstored, passed_locked=passed_locked
+            bytes_to_free,
+            victims,
+            spare_unstored=spare_unstored,
+            passed_locked=passed_locked,
+            unknown=unknown,
         )
 
     def take_unlocked_set_aside(self) -> list[ObjectKey]:

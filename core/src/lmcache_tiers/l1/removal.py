@@ -125,6 +125,7 @@ class Removal:
         *,
         spare_unstored: bool,
         passed_locked: list[ObjectKey] | None = None,
+        unknown: list[ObjectKey] | None = None,
     ) -> Eviction:
         evicted: list[L1Object] = []
         unstored: list[L1Object] = []
@@ -142,6 +143,8 @@ class Removal:
                 for key in victims:
                     obj = table.objects.get(key)
                     if obj is None or obj.state is not _READY:
+                        if unknown is not None:
+                            unknown.append(key)
                         continue
                     if obj.read_locks:
                         if passed_locked is not None:
