@@ -5,6 +5,7 @@ given back, on success, on a second failure and when the request is given up."""
 from __future__ import annotations
 
 from engine_support import GatedConfig, gated_backend, keys_of, mock, payload, spec, store
+from lmcache_plugin_fault_inject.backend import rate_chooses
 
 from lmcache_tiers.config import AdapterSpec
 from lmcache_tiers.keys import ObjectKey
@@ -69,7 +70,6 @@ def test_every_key_of_an_adapter_whose_loads_all_fail_loads_from_the_next(engine
             "type": "fault_inject",
             "inner": {"type": "mock", "namespace": "fallback-all-first"},
             "seed": 3,
-            "rate": 0.0,
             "load_fail_rate": 1.0,
         }
     )
@@ -81,6 +81,48 @@ def test_every_key_of_an_adapter_whose_loads_all_fail_loads_from_the_next(engine
     failures = storage.status()["failures"]
     assert failures["l2_load_failed"] == 6
     assert failures["l2_load_fallback"] == 6
+    settled(storage)
+
+
+def rate_only(seed: int, rate: float, namespace: str) -> AdapterSpec:
+    """fault_inject with LMCache's ``rate`` alone: the keys a hash of key and seed picks
+    fail every load, and nothing else fails."""
+    raw = {
+        "type": "fault_inject",
+        "inner": {"type": "mock", "namespace": namespace},
+        "seed": seed,
+        "rate": rate,
+    }
+    return spec(raw)
+
+
+def test_keys_the_rate_chose_end_the_prefix_at_every_prefetch(engine) -> None:
+    storage = engine([rate_only(2, 0.3, "rate-alone")])
+    keys = keys_of(5, 16)
+    chosen = [rate_chooses(2, 0.3, key) for key in keys]
+    assert any(chosen[1:]) and not chosen[0], "a hole past the first key (seed picked for it)"
+    in_every_adapter(storage, keys)
+
+    hole = chosen.index(True)
+    assert prefetch_and_check(storage, keys) == hole
+    failed = storage.adapters[0].stats()["injected_rate_failures"]
+    assert failed > 0
+    storage.clear()
+    assert prefetch_and_check(storage, keys) == hole, "the same key fails every load"
+    assert storage.adapters[0].stats()["injected_rate_failures"] == 2 * failed
+    settled(storage)
+
+
+def test_keys_the_rate_chose_load_from_the_next_adapter(engine) -> None:
+    storage = engine([rate_only(2, 0.3, "rate-first"), mock(namespace="rate-second")])
+    keys = keys_of(6, 16)
+    chosen = [rate_chooses(2, 0.3, key) for key in keys]
+    in_every_adapter(storage, keys)
+
+    assert prefetch_and_check(storage, keys) == 16
+    status = storage.status()
+    assert status["failures"]["l2_load_fallback"] == sum(chosen) > 0
+    assert storage.adapters[0].stats()["injected_rate_failures"] == sum(chosen)
     settled(storage)
 
 

@@ -82,7 +82,7 @@ def buffers(count: int, size: int = 256) -> list[memoryview]:
 
 
 def store_pattern(seed: int, fail_mode: str = "keys") -> list[bool]:
-    adapter = open_fault(seed=seed, rate=0.5, fail_mode=fail_mode)
+    adapter = open_fault(seed=seed, store_fail_rate=0.5, fail_mode=fail_mode)
     try:
         keys = make_keys(64)
         return BlockingAdapterClient(adapter).store(keys, [memoryview(b"x")] * 64)
@@ -135,7 +135,7 @@ def test_failed_lookups_do_not_forget_what_is_stored(opened: list[BackendAdapter
 def test_a_failed_delete_checked_by_a_failed_lookup_forgets_nothing(opened: list[BackendAdapter]) -> None:
     """A delete that failed is followed by a lookup of its keys; failed too, it must not
     release keys the inner adapter still holds."""
-    adapter = open_fault(rate=1.0, store_fail_rate=0.0, delete_fail_rate=1.0)
+    adapter = open_fault(lookup_fail_rate=1.0, delete_fail_rate=1.0)
     opened.append(adapter)
     keys = make_keys(2)
     assert BlockingAdapterClient(adapter).store(keys, [memoryview(b"d" * 100)] * 2) == [True, True]
@@ -148,7 +148,7 @@ def test_a_failed_delete_checked_by_a_failed_lookup_forgets_nothing(opened: list
 def test_a_failed_delete_of_keys_stored_by_others_announces_none_absent(opened: list[BackendAdapter]) -> None:
     """Keys stored behind the adapter (another server sharing the store) and listed for
     eviction are still there after a failed delete: never announced absent."""
-    adapter = open_fault(rate=1.0, delete_fail_rate=1.0)
+    adapter = open_fault(lookup_fail_rate=1.0, delete_fail_rate=1.0)
     opened.append(adapter)
     keys = make_keys(2)
     fill(adapter, keys)
@@ -173,19 +173,24 @@ def test_injected_faults_are_logged(opened: list[BackendAdapter], caplog: pytest
     assert "injected corruption" in caplog.text
 
 
-def test_per_operation_rate_overrides_the_default(opened: list[BackendAdapter]) -> None:
-    adapter = open_fault(rate=1.0, lookup_fail_rate=0.0, load_fail_rate=0.0)
+def test_the_per_operation_rates_do_not_default_to_rate(opened: list[BackendAdapter]) -> None:
+    """``rate`` is LMCache's: it fails loads of the keys it chooses, and is no default
+    failure rate of stores or lookups."""
+    adapter = open_fault(rate=1.0)
     opened.append(adapter)
     keys = make_keys(2)
-    data = fill(adapter, keys)
+    fill(adapter, keys)
     client = BlockingAdapterClient(adapter)
-    assert client.store(make_keys(1, start=50), [memoryview(b"z")]) == [False]
-    result = client.lookup_and_lock(keys)
-    assert result.found == [True, True]
+    assert client.store(make_keys(1, start=50), [memoryview(b"z")]) == [True]
+    assert client.lookup_and_lock(keys).found == [True, True]
     targets = buffers(2)
-    assert client.load(keys, targets) == [True, True]
-    assert [bytes(t) for t in targets] == data
+    assert client.load(keys, targets) == [False, False]
+    assert all(bytes(t) == bytes(256) for t in targets)
     adapter.unlock(keys)
+    stats = adapter.stats()
+    assert stats["injected_rate_failures"] == 2
+    for op in ("store", "lookup", "load", "delete"):
+        assert stats.get(f"injected_{op}_failures", 0) == 0, op
 
 
 def test_failed_loads_leave_buffers_untouched_and_release_pins(opened: list[BackendAdapter]) -> None:
@@ -204,7 +209,7 @@ def test_failed_loads_leave_buffers_untouched_and_release_pins(opened: list[Back
 
 
 def test_batch_mode_fails_whole_calls() -> None:
-    adapter = open_fault(seed=3, rate=0.5, fail_mode="batch")
+    adapter = open_fault(seed=3, store_fail_rate=0.5, fail_mode="batch")
     try:
         client = BlockingAdapterClient(adapter)
         outcomes = {tuple(client.store(make_keys(8, start=8 * i), [memoryview(b"b")] * 8)) for i in range(40)}
@@ -214,7 +219,7 @@ def test_batch_mode_fails_whole_calls() -> None:
 
 
 def test_raise_mode_becomes_a_counted_backend_error(opened: list[BackendAdapter]) -> None:
-    adapter = open_fault(rate=1.0, fail_mode="raise")
+    adapter = open_fault(store_fail_rate=1.0, fail_mode="raise")
     opened.append(adapter)
     keys = make_keys(2)
     assert BlockingAdapterClient(adapter).store(keys, [memoryview(b"r")] * 2) == [False, False]
@@ -512,6 +517,7 @@ def test_config_is_decoded_with_its_inner_spec() -> None:
     [
         ({"inner": {"max_size_gb": 1}}, 'string "type"'),
         ({"inner": {"type": "mock"}, "rate": 1.5}, "rate"),
+        ({"inner": {"type": "mock"}, "load_fail_rate": None}, "load_fail_rate"),
         ({"inner": {"type": "mock"}, "delay_ops": ["sotre"]}, "delay_ops"),
         ({"inner": {"type": "mock"}, "gap_tail_ratios": [2.0]}, "gap_tail_ratios"),
         ({"inner": {"type": "mock"}, "fail_mode": "explode"}, "fail_mode"),

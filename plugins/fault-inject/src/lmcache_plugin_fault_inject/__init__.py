@@ -17,27 +17,30 @@ def _rate(description: str) -> msgspec.Meta:
     return msgspec.Meta(ge=0.0, le=1.0, description=description)
 
 
-def _doc(description: str) -> msgspec.Meta:
-    return msgspec.Meta(description=description)
-
-
 class FaultInjectConfig(L2AdapterConfig):
     """Wraps the adapter given as ``inner`` and injects faults into its operations.
 
     The inner adapter's backend runs inside this adapter: one set of tasks, pins and
     byte accounting (its counters show in ``stats()`` as ``inner_<name>``).
 
-    Its purpose is to drive every failure path of the controllers.  All randomness comes
-    from ``seed`` (one generator per operation kind), drawn as each call starts, so a run
-    with the same calls injects the same faults -- unless the inner adapter runs calls of
-    one kind on several worker threads (redis's and mooncake's ``num_workers`` over 1):
-    then which of the calls running at once gets which faults follows which thread starts
-    first.  The wrapper's own ``serde`` chain wraps the inner one; ``eviction``
-    and ``circuit`` belong on the wrapper (the inner adapter is not visible to the
-    controllers); a remote inner adapter puts the wrapper behind a circuit breaker by
-    default, as it would be itself.
+    Its purpose is to drive every failure path of the controllers.  The wrapper's own
+    ``serde`` chain wraps the inner one; ``eviction`` and ``circuit`` belong on the
+    wrapper (the inner adapter is not visible to the controllers); a remote inner adapter
+    puts the wrapper behind a circuit breaker by default, as it would be itself.
 
-    Failures: each operation kind fails with its ``*_fail_rate`` (``rate`` when unset).
+    ``rate``, ``seed``, ``gap_indices`` and ``gap_tail_ratios`` mean what they mean in
+    LMCache's adapter: ``rate`` is the share of keys whose loads fail, each key chosen by
+    a hash of the key and ``seed`` -- a chosen key is found by lookups and fails every
+    load, in every process given the same seed; no other operation is affected.  Its
+    failures are per key in every ``fail_mode``: each leaves a hole in the found prefix.
+
+    Every other fault is drawn at random, seeded by ``seed`` (one generator per
+    operation kind), as each call starts, so a run with the same calls injects the same
+    faults -- unless the inner adapter runs calls of one kind on several worker threads
+    (redis's and mooncake's ``num_workers`` over 1): then which of the calls running at
+    once gets which faults follows which thread starts first.
+
+    Failures: each operation kind fails with its ``*_fail_rate`` (0 unless given).
     ``fail_mode`` says what failing means: ``keys`` -- each key fails independently with
     the rate (a failed store is not stored, a failed lookup is a miss, a failed load leaves
     its buffer untouched); ``batch`` -- the whole call fails with the rate; ``raise`` -- the
@@ -45,7 +48,8 @@ class FaultInjectConfig(L2AdapterConfig):
     counts a backend error).  A lookup with a failed key the inner adapter holds raises
     in every mode: answered absent, that key would be forgotten (usage, eviction) while
     the inner adapter still holds it.  Every injected fault is counted in ``stats()`` (and
-    so in ``/metrics``): ``injected_<op>_failures`` (keys), ``injected_load_gaps`` (keys
+    so in ``/metrics``): ``injected_<op>_failures`` (keys), ``injected_rate_failures``
+    (keys of loads ``rate`` chose, not already failed), ``injected_load_gaps`` (keys
     not already failed), ``injected_corruptions``, ``injected_<op>_delays`` (calls); the
     failures, gaps and corruptions are also logged.  ``inner_lookup_timeouts`` counts
     lookups abandoned after ``lookup_timeout_s``.
@@ -57,9 +61,10 @@ class FaultInjectConfig(L2AdapterConfig):
 
     Gaps: ``gap_indices`` and ``gap_tail_ratios`` always fail given positions of every
     load batch (the keys the backend call receives, in prefix order), so the found prefix
-    has a hole: ``gap_indices`` counts from the head (negative values from the tail);
-    a tail ratio ``r`` drops position ``round((1 - r) * (n - 1))`` -- 0.0 is the last
-    key, 0.5 the middle one, 1.0 the first -- whatever the batch length.
+    has a hole: ``gap_indices`` counts from the head (negative values count from the
+    tail, an addition: LMCache refuses them); a tail ratio ``r`` drops position
+    ``round((1 - r) * (n - 1))`` -- 0.0 is the last key, 0.5 the middle one, 1.0 the
+    first -- whatever the batch length.
 
     Corruption: with ``corrupt_rate`` a successfully loaded object gets one byte flipped
     in the L1 buffer.  ``corrupt_detected`` true reports that key as failed -- what an
@@ -76,16 +81,23 @@ class FaultInjectConfig(L2AdapterConfig):
         dict[str, Any],
         msgspec.Meta(description='The wrapped adapter\'s spec: a JSON object with its own "type".'),
     ]
-    seed: Annotated[int, msgspec.Meta(description="Seed of every random decision.")] = 0
+    seed: Annotated[
+        int,
+        msgspec.Meta(description="Seed of the hash that picks `rate`'s keys and of every random draw."),
+    ] = 0
     rate: Annotated[
-        float, _rate("Failure probability of stores, lookups and loads unless set per operation.")
+        float,
+        _rate(
+            "Share of keys whose loads fail, as LMCache's: chosen by a hash of the key and `seed` "
+            "(such a key fails every load); stores and lookups are not affected."
+        ),
     ] = 0.0
-    store_fail_rate: Annotated[Rate | None, _doc("Failure probability of stores; null = `rate`.")] = None
-    lookup_fail_rate: Annotated[Rate | None, _doc("Failure probability of lookups; null = `rate`.")] = None
+    store_fail_rate: Annotated[float, _rate("Failure probability of stores.")] = 0.0
+    lookup_fail_rate: Annotated[float, _rate("Failure probability of lookups.")] = 0.0
     load_fail_rate: Annotated[
-        Rate | None, _doc("Failure probability of loads (on top of gaps); null = `rate`.")
-    ] = None
-    delete_fail_rate: Annotated[float, _rate("Failure probability of deletes (eviction); not `rate`.")] = 0.0
+        float, _rate("Failure probability of loads, drawn per call (on top of `rate` and gaps).")
+    ] = 0.0
+    delete_fail_rate: Annotated[float, _rate("Failure probability of deletes (eviction).")] = 0.0
     fail_mode: Annotated[
         Literal["keys", "batch", "raise"],
         msgspec.Meta(description="What a failure is: per key, the whole call, or the call raising."),

@@ -9,6 +9,7 @@ the adapter's event loop.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import random
 import time
@@ -69,6 +70,23 @@ def gap_positions(count: int, indices: Sequence[int], tail_ratios: Sequence[floa
     return {position for position in positions if 0 <= position < count}
 
 
+#: a key's hash is read as a fraction of this, compared with ``rate``
+_HASH_SPAN = 1 << 64
+
+
+def rate_chooses(seed: int, rate: float, key: ObjectKey) -> bool:
+    """Whether ``rate`` fails every load of ``key``: a hash of ``seed`` and the key's
+    encoded fields, read as a fraction of 2**64, is below the rate.
+
+    A hash rather than a random draw, as in LMCache: the same key and seed get the same
+    answer at every load, in every process and after restarts, so a chosen key is a
+    stable hole in its prefix and about ``rate`` of all keys are chosen."""
+    if rate <= 0.0:
+        return False
+    digest = hashlib.blake2b(b"%d:" % seed + key.to_bytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") < rate * _HASH_SPAN
+
+
 def _optional(backend: object, name: str) -> Any:
     method = getattr(backend, name, None)
     return method if callable(method) else None
@@ -96,9 +114,9 @@ class _FaultInjector:
             op: random.Random(f"{config.seed}:{op}") for op in ("store", "lookup", "load", "delete")
         }
         self._fail_rates = {
-            "store": config.rate if config.store_fail_rate is None else config.store_fail_rate,
-            "lookup": config.rate if config.lookup_fail_rate is None else config.lookup_fail_rate,
-            "load": config.rate if config.load_fail_rate is None else config.load_fail_rate,
+            "store": config.store_fail_rate,
+            "lookup": config.lookup_fail_rate,
+            "load": config.load_fail_rate,
             "delete": config.delete_fail_rate,
         }
 
@@ -175,16 +193,36 @@ class _FaultInjector:
             raise InjectedFault("injected lookup failure of a ping")
 
     def load_plan(self, keys: Sequence[ObjectKey], failed: list[bool]) -> list[int]:
-        """Positions of the load batch passed to the inner backend: neither failed nor a gap.
+        """Positions of the load batch passed to the inner backend: not failed, not chosen
+        by ``rate``, not a gap.
 
-        A gap on a key the failure rate already took is not counted again: each key the
-        wrapper takes from a load is one injected fault."""
-        gaps = gap_positions(len(keys), self.config.gap_indices, self.config.gap_tail_ratios)
-        gapped = sum(1 for i in gaps if not failed[i])
+        Each key the wrapper takes from a load is one injected fault, counted once: a key
+        ``rate`` chose that already failed is not counted again, nor a gap on a key either
+        of them took.  Both fail their keys alone in every ``fail_mode``, as LMCache's do:
+        each is a hole in the found prefix, never a failed call."""
+        config = self.config
+        lost = list(failed)
+        chosen = [
+            i for i, key in enumerate(keys) if not lost[i] and rate_chooses(config.seed, config.rate, key)
+        ]
+        if chosen:
+            for i in chosen:
+                lost[i] = True
+            self.context.count("injected_rate_failures", len(chosen))
+            self.context.warn(
+                "injected_rate_failures",
+                "injected load failure of %d/%d keys chosen by rate %g (seed %d)",
+                len(chosen),
+                len(keys),
+                config.rate,
+                config.seed,
+            )
+        gaps = gap_positions(len(keys), config.gap_indices, config.gap_tail_ratios)
+        gapped = sum(1 for i in gaps if not lost[i])
         if gapped:
             self.context.count("injected_load_gaps", gapped)
             self.context.warn("injected_load_gaps", "injected load gap of %d/%d keys", gapped, len(keys))
-        return [i for i, fail in enumerate(failed) if not fail and i not in gaps]
+        return [i for i, lose in enumerate(lost) if not lose and i not in gaps]
 
     def corrupted(self, buffer: memoryview, where: float | None) -> bool:
         """Flip the byte drawn for this object, if any; True if the load must report failure."""
