@@ -515,3 +515,15 @@ def test_the_start_up_probe_runs_on_a_thread_named_for_the_adapter() -> None:
     assert answers == [False], "the silent store answered"
     probes = sorted(name for name in names if "probe" in name)
     assert probes and all(name.startswith("l2-0:s3-probe") for name in probes), probes
+
+
+def test_an_https_endpoint_that_does_not_speak_tls_stops_start_up(seaweed: SeaweedS3, l1: memoryview) -> None:
+    # Every request would fail its TLS handshake until the configuration changes: started,
+    # its L2 would stay dead, the line saying only that the store "did not answer".
+    endpoint = seaweed.endpoint.replace("http://", "https://")
+    config = s3_config(seaweed, "p", endpoint_url=endpoint)
+    with pytest.raises(ConfigError) as raised:
+        open_adapter(config, l1)
+    text = str(raised.value)
+    assert text.startswith(f"0:s3: {endpoint} failed the TLS handshake (SSLError: ")
+    assert "endpoint_url" in text

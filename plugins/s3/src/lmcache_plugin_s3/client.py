@@ -313,7 +313,9 @@ def check_bucket(config: S3Config, name: str) -> bool:
     answer is not: the adapter starts, its requests fail (counted) until the store is
     back, and the server serves from L1 meanwhile.  Credentials the AWS chain does not
     resolve within ``request_timeout_s`` (a credential_process that hangs) are a
-    ``ConfigError`` too: every request would wait on them the same way.
+    ``ConfigError`` too: every request would wait on them the same way, and so is a TLS
+    handshake that fails (a service without TLS behind ``https://``, a certificate not
+    trusted here): every request would fail it.
     """
     # One attempt, briefly: a store too slow to answer this is reported, not waited for.
     patience = config.connect_timeout_s + min(config.read_timeout_s, _PROBE_READ_S)
@@ -380,6 +382,14 @@ def check_bucket(config: S3Config, name: str) -> bool:
                 config.prefix,
                 describe(exc),
             )
+        except botocore.exceptions.SSLError as exc:
+            # The service answered, not in TLS or with a certificate not trusted here:
+            # every request would fail the same way until the configuration changes.
+            raise ConfigError(
+                f"{name}: {_endpoint_label(config)} failed the TLS handshake ({describe(exc)}): "
+                "check the scheme of endpoint_url (http:// for a service without TLS; "
+                "disable_tls with s3_endpoint) and that its certificate is trusted here"
+            ) from exc
         except Exception as exc:
             log.warning(
                 "%s: %s did not answer at start-up (%s); requests fail, counted, until it does",
