@@ -3,9 +3,9 @@
 The lookup finds a connection's process by the client's socket, so a client that exited
 before it ran was not found: its watch named no process and never said exited.  The
 process the client's hint (its HELLO pid) named is now pinned by a pidfd when the
-connection is first seen; a lookup that finds the client's socket owned by no process
-takes that process as the connection's once it has exited (or is exiting).  One alive,
-or a socket the kernel no longer names (reset: it may still be held), changes nothing.
+connection is first seen; a lookup that finds the client's socket held by no process
+(closed by every holder, or reset) takes that process as the connection's once it has
+exited (or is exiting).  One alive, or a socket still held, changes nothing.
 Clients are real processes; the scans are the real ones, run once the test lets them.
 """
 
@@ -26,7 +26,7 @@ from lmcache_tiers.peer_process import (
     PeerSocket,
     peer_socket,
     process_exiting,
-    socket_orphaned,
+    socket_gone,
     watch_peer_socket,
 )
 from lmcache_tiers.peer_scan import ConnectionPeers, PeerWatch
@@ -100,27 +100,28 @@ def settled(watch: PeerWatch) -> PeerWatch:
     return watch
 
 
-def test_a_closed_client_socket_is_told_orphaned_and_an_open_one_not(listener: socket.socket) -> None:
-    client = socket.create_connection(listener.getsockname())
-    accepted, _ = listener.accept()
+def test_a_client_socket_closed_or_reset_is_told_gone_and_an_open_one_not(listener: socket.socket) -> None:
+    for reset in (False, True):
+        client = socket.create_connection(listener.getsockname())
+        accepted, _ = listener.accept()
+        with accepted:
+            peer = peer_socket(accepted.fileno())
+            assert peer is not None
+            assert not socket_gone(peer)
+            if reset:  # the kernel forgets the socket at once
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            client.close()
+            assert socket_gone(peer), "reset" if reset else "closed"
+
+
+def test_a_client_socket_held_by_another_process_is_not_told_gone(
+    listener: socket.socket, processes: list[subprocess.Popen[str]]
+) -> None:
+    _, accepted = connect(listener, processes)
     with accepted:
         peer = peer_socket(accepted.fileno())
         assert peer is not None
-        assert not socket_orphaned(peer)
-        client.close()
-        assert socket_orphaned(peer)
-
-
-def test_a_reset_client_socket_is_not_told_orphaned(listener: socket.socket) -> None:
-    # Reset, the kernel forgets the socket at once: whoever holds it may still be alive.
-    client = socket.create_connection(listener.getsockname())
-    accepted, _ = listener.accept()
-    with accepted:
-        peer = peer_socket(accepted.fileno())
-        assert peer is not None
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        client.close()
-        assert not socket_orphaned(peer)
+        assert not socket_gone(peer)
 
 
 def test_a_live_process_is_not_exiting() -> None:
@@ -128,14 +129,17 @@ def test_a_live_process_is_not_exiting() -> None:
     assert not process_exiting(2**22 + 1)  # past any pid: no such process
 
 
+@pytest.mark.parametrize("unread", [False, True], ids=["closed", "reset"])
 def test_a_client_killed_before_its_lookup_is_watched_as_its_hinted_process(
-    listener: socket.socket, processes: list[subprocess.Popen[str]], peers: Any
+    listener: socket.socket, processes: list[subprocess.Popen[str]], peers: Any, unread: bool
 ) -> None:
     connections, scans = peers
     client, accepted = connect(listener, processes)
     with accepted:
         watch = connections.watch(accepted.fileno(), hint=client.pid)
         assert watch is not None and not watch.armed.is_set()
+        if unread:  # what it never read makes its exit reset the connection
+            accepted.sendall(b"unread")
         client.kill()
         client.wait()  # reaped: its pid names nothing now
         scans.may_scan.set()

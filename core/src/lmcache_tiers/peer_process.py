@@ -65,8 +65,8 @@ __all__ = [
     "peer_socket_pids",
     "pidfd_exited",
     "process_exiting",
+    "socket_gone",
     "socket_holders",
-    "socket_orphaned",
     "watch_peer",
     "watch_peer_socket",
     "watch_writer_socket",
@@ -293,12 +293,13 @@ def _table_inode(local: tuple[bytes, int], remote: tuple[bytes, int]) -> int:
     """The inode of the TCP socket with these addresses in ``/proc/net/tcp{,6}`` (0:
     none).  An IPv4 address is looked for in ``tcp`` as is and in ``tcp6`` v4-mapped (a
     dual-stack client)."""
-    return _table_entry(local, remote) or 0
+    return max(_table_entry(local, remote) or 0, 0)
 
 
 def _table_entry(local: tuple[bytes, int], remote: tuple[bytes, int]) -> int | None:
     """:func:`_table_inode`, None when no line lists the socket (0: listed, owned by no
-    process)."""
+    process), and :data:`_NO_TABLE` when neither table could be read."""
+    read = False
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table, encoding="ascii") as lines:
@@ -309,9 +310,14 @@ def _table_entry(local: tuple[bytes, int], remote: tuple[bytes, int]) -> int | N
                         continue
                     if _address(fields[1]) == local and _address(fields[2]) == remote:
                         return int(fields[9])
+            read = True
         except (OSError, ValueError):
             continue
-    return None
+    return None if read else _NO_TABLE
+
+
+#: :func:`_table_entry`'s answer when no table could be read
+_NO_TABLE = -2
 
 
 def _address(text: str) -> tuple[bytes, int]:
@@ -484,12 +490,14 @@ def maps_file(pids: tuple[int, ...], device: int, inode: int) -> bool:
     return False
 
 
-def socket_orphaned(peer: PeerSocket) -> bool:
-    """Whether the client's end of the loopback TCP connection ``peer`` is owned by no
+def socket_gone(peer: PeerSocket) -> bool:
+    """Whether the client's end of the loopback TCP connection ``peer`` is held by no
     process: the kernel names that very socket (its addresses) with no inode, as it does
-    once every process holding it has closed it or exited (``FIN_WAIT``/``TIME_WAIT``).
-    False whenever that cannot be told: a socket the kernel does not name (reset and
-    unhashed, or never here) may still be held."""
+    once every process holding it has closed it or exited (``FIN_WAIT``/``TIME_WAIT``), or
+    names no such socket at all (closed by a reset, or past ``TIME_WAIT``).  False
+    whenever that cannot be told (a remote peer, tables not readable).  A socket reset by
+    the server's side and not listed any more may still be held by a live client: a caller
+    must not take this alone for its exit."""
     if not (peer.far and peer.near) or peer.remote:
         return False
     try:
@@ -500,7 +508,7 @@ def socket_orphaned(peer: PeerSocket) -> bool:
     answer = _diag_answer(local, remote)
     if answer is None:
         answer = _table_entry(local, remote)
-    return answer == 0
+    return answer is None or answer == 0
 
 
 def process_exiting(pid: int) -> bool:

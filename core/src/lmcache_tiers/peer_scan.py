@@ -14,7 +14,7 @@ if the loop thread ran it.  :class:`ConnectionPeers` is what both front ends use
   back early); a loopback writer that exited before its scan ran is not found (its socket
   is gone), so the process its hint (the client's word: the native HELLO pid) names is
   pinned by a pidfd when the connection is first seen, and a scan that finds the client's
-  socket owned by no process arms the watch with that pinned process if it has exited or
+  socket held by no process arms the watch with that pinned process if it has exited or
   is exiting (:attr:`PeerWatch.pin`); otherwise such a watch is armed with none, as for
   any process that cannot be told;
 * a connection is looked up once, pending or done, told apart by its descriptor and the
@@ -61,7 +61,7 @@ from lmcache_tiers.peer_process import (
     PeerSocket,
     peer_socket,
     process_exiting,
-    socket_orphaned,
+    socket_gone,
     watch_peer_socket,
 )
 
@@ -333,13 +333,13 @@ def _unpin(watch: PeerWatch) -> None:
 
 def _gone_with_its_pin(watch: PeerWatch) -> bool:
     """Whether a connection whose scan named no writer is known gone with the process its
-    hint pinned: the client's socket is owned by no process (every holder closed it, or
-    exited), and the pinned process has exited or is exiting (marked so before it closes
-    its descriptors).  A client that closed its connection and
+    hint pinned: the client's socket is held by no process (every holder closed it, or
+    exited; or it was reset), and the pinned process has exited or is exiting (marked so
+    before it closes its descriptors).  A client that closed its connection and
     lives on (a dropped connection it comes back from) leaves its pin mapping memory, so
     the HELLO pid stands in for it as before; one whose hint names another process keeps
     its fences as before unless that process ends within the same moments."""
     pin = watch.pin
-    if pin is None or not socket_orphaned(watch.peer):
+    if pin is None or not socket_gone(watch.peer):
         return False
     return pin.exited() or process_exiting(pin.pids[0])

@@ -6,7 +6,7 @@ found (its socket had gone with it), and its HELLO pid, asked later, named no pr
 mapping the arena (gone, or a zombie): the client counted as one whose exit cannot be
 seen, and its expired reservation stayed fenced until the server stopped.  The process
 its HELLO named is now pinned (a pidfd) when the connection's first request is handled;
-a lookup finding the client's socket owned by no process takes that process as the
+a lookup finding the client's socket held by no process takes that process as the
 writer once it has exited, so the fence lifts.  A client alive -- its connection open,
 or closed while it still maps the arena -- keeps its fence until it exits.  Each client
 is a process of its own; the scan worker is held until the test lets it run.

@@ -50,7 +50,7 @@ reads only the connection's far end; a worker thread scans, checks the maps and 
 connection's ``PeerWatch``.  Until then the watch is pending and counts as a live writer:
 the fences stay (the HELLO pid is not asked meanwhile).  A client gone before its lookup
 ran is watched as the process its HELLO pid named when the connection's first request
-came in (pinned then by a pidfd), where the scan finds the client's socket owned by no
+came in (pinned then by a pidfd), where the scan finds the client's socket held by no
 process and that process exited or is exiting (core's ``peer_scan``).  A scan that raised
 (``peer_scan_failed``) is counted and logged, and the HELLO pid stands in as where the
 kernel cannot tell; one given up (``peer_scan_given_up``: over 1,024 connections waiting
