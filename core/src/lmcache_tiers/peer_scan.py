@@ -335,10 +335,10 @@ def _gone_with_its_pin(watch: PeerWatch) -> bool:
     """Whether a connection whose scan named no writer is known gone with the process its
     hint pinned: the client's socket is held by no process (every holder closed it, or
     exited; or it was reset), and the pinned process has exited or is exiting (marked so
-    before it closes its descriptors).  A client that closed its connection and
-    lives on (a dropped connection it comes back from) leaves its pin mapping memory, so
-    the HELLO pid stands in for it as before; one whose hint names another process keeps
-    its fences as before unless that process ends within the same moments."""
+    before it closes its descriptors).  A client that closed its connection, or had it
+    reset, and lives on (a dropped connection it comes back from) leaves its pin alive and
+    not exiting, so the HELLO pid stands in for it as before; one whose hint names another
+    process keeps its fences as before unless that process ends within the same moments."""
     pin = watch.pin
     if pin is None or not socket_gone(watch.peer):
         return False
