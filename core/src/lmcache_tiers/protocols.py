@@ -296,7 +296,10 @@ class EvictionPolicy(Protocol):
         after a walk always ends it.  Each key it holds at most once per walk: a walk
         offering a key twice, or more keys than it could hold (those stored, plus those
         whose removal report it failed on), is cut short, counted
-        (``l1_eviction_policy_overrun``, ``l2_eviction_policy_overrun``) and logged.
+        (``l1_eviction_policy_overrun``, ``l2_eviction_policy_overrun``) and logged.  An
+        L1 policy's key that L1 holds no stored object of (never written, already removed,
+        or a reservation still being written) is passed over, counted
+        (``l1_eviction_policy_unknown_victim``) and logged.
         """
         ...
 
