@@ -121,3 +121,19 @@ def test_url_options_redis_py_takes_are_taken() -> None:
         {"type": "redis", "url": "redis://h:6379/0?ssl_cert_reqs=none", "tls_enable": True},
         0,
     )
+
+
+@pytest.mark.parametrize("tls", ["url", "tls_enable"])
+def test_tls_to_a_store_that_speaks_none_is_refused_at_start_up(
+    redis_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter], tls: str
+) -> None:
+    # The store takes the connection and waits for a command while the client waits for
+    # its TLS handshake: taken for a store that does not answer, it started with a dead L2.
+    fields = {"url": redis_server.url.replace("redis://", "rediss://")}
+    if tls == "tls_enable":
+        fields = {"url": redis_server.url, "tls_enable": True}
+    with pytest.raises(ConfigError) as raised:
+        open_adapter(key_prefix=prefix, connection_timeout=1.0, request_timeout=1.0, **fields)
+    node = redis_server.url.split("//", 1)[1].rsplit("/", 1)[0]
+    assert f"{node} speaks no TLS (it answered a plain-text PING)" in str(raised.value)
+    assert "use redis://" in str(raised.value)

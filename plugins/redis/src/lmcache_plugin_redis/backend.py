@@ -67,7 +67,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from lmcache_plugin_redis.client import build_client, describe, ignored_nodes
+from lmcache_plugin_redis.client import build_client, describe, ignored_nodes, plain_text_node
 from lmcache_plugin_redis.config import RedisConfig
 from lmcache_plugin_redis.direct import DirectConnections, Send, pack_command
 from lmcache_plugin_redis.limits import default_limits, read_limits
@@ -594,6 +594,15 @@ class RedisBackend:
                 raise ConfigError(
                     f"{self.context.name}: {self.target} has no database {db} ({exc}): "
                     "give one below the store's `databases` setting"
+                ) from None
+            plain = plain_text_node(self.config)
+            if plain is not None:
+                # It answered, in plain text: every TLS connection would time out the same
+                # way until this config or the store changes.
+                raise ConfigError(
+                    f"{self.context.name}: {self.target}: {plain} speaks no TLS (it answered a "
+                    "plain-text PING), and the adapter connects with TLS (rediss://, or "
+                    "tls_enable): use redis://, or turn TLS on in the store"
                 ) from None
             # Not fatal: the circuit breaker keeps probing and the adapter heals when it answers.
             log.warning(

@@ -17,6 +17,7 @@ connect/request timeouts; the circuit breaker then stops calling it.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import urllib.parse
 from typing import Any, ClassVar
@@ -102,6 +103,32 @@ def describe(config: RedisConfig) -> str:
     nodes = ",".join(f"{host}:{port}" for host, port in seeds)
     scheme = "rediss" if _uses_tls(config) else "redis"
     return f"{scheme}://{nodes}" + (" (cluster)" if config.cluster_mode else "")
+
+
+#: longest the plain-text check of a TLS store waits for a connection and for its answer
+_PLAIN_CHECK_S = 2.0
+
+
+def plain_text_node(config: RedisConfig) -> str | None:
+    """``host:port`` of a node the config reaches over TLS (``rediss://``, ``tls_enable``)
+    that answers a plain-text ``PING`` with a RESP reply, i.e. speaks no TLS; None when
+    none does, or the config uses no TLS.  Such a node takes the connection and then
+    waits for a command while the client waits for the TLS handshake: every connection
+    ends in a timeout, which would read as a store that does not answer."""
+    if not _uses_tls(config) or (config.url or "").startswith("unix:"):
+        return None
+    seeds = config.seed_nodes() if config.cluster_mode else config.seed_nodes()[:1]
+    for host, port in seeds:
+        try:
+            with socket.create_connection((host, port), timeout=_PLAIN_CHECK_S) as probe:
+                probe.sendall(b"PING\r\n")
+                answer = probe.recv(64)
+        except OSError:
+            continue
+        # A TLS server answers a plain-text line with an alert record (0x15) or closes.
+        if answer[:1] in (b"+", b"-"):
+            return f"{host}:{port}"
+    return None
 
 
 def ignored_nodes(config: RedisConfig) -> list[str]:
