@@ -70,6 +70,10 @@ def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricF
 #: each front end's name and counters
 FrontendStatsProvider = Callable[[], list[tuple[str, FrontendStats]]]
 
+#: the gauges among a front end's stats: what it last reported of them is not held for a
+#: scrape that cannot read it (a gauge may fall; holding it would show work long done)
+_FRONTEND_GAUGES = ("pending_prefetches", "reserved_stores", "locked_keys", "pool_tasks", "sessions")
+
 
 class TiersCollector(Collector):
     def __init__(
@@ -97,6 +101,10 @@ class TiersCollector(Collector):
         self._stats_left_out: Counter[str] = Counter()
         # the collector's own: one per module would let one server's lines hide another's
         self._unexported_stats = BurstLog(logging.getLogger(__name__), UNEXPORTED_STAT)
+        # per front end, the counters of its last readable stats(); the lock also orders
+        # the reads of concurrent scrapes with their copies, so the copy kept is the newest
+        self._frontends_lock = threading.Lock()
+        self._last_read: dict[str, FrontendStats] = {}
 
     def own_failures(self) -> dict[str, int]:
         """Failures of the scrapes themselves, by reason (also in ``failures_total``)."""
@@ -104,8 +112,7 @@ class TiersCollector(Collector):
             return dict(self._own_failures)
 
     def collect(self) -> Iterator[Any]:
-        per_frontend = self.frontends()
-        stats = merged_stats(part for _, part in per_frontend)
+        per_frontend, stats = self._read_frontends()
         storage = self.storage_status()
         requests = storage.get("requests", {})
         l1 = storage.get("l1", {})
@@ -208,6 +215,23 @@ class TiersCollector(Collector):
         locked = _gauge("client_locked_keys", "Keys read-locked on behalf of clients")
         locked.add_metric([], stats.locked_keys)
         yield locked
+
+    def _read_frontends(self) -> tuple[list[tuple[str, FrontendStats]], FrontendStats]:
+        """Each readable front end's stats, and the sum the families without a
+        ``frontend`` label export.  A front end read before whose ``stats()`` fails now
+        (the provider leaves it out) adds the counters it last reported to that sum, not
+        its gauges: without them every such counter would fall for the scrape -- a reset
+        to Prometheus, and its return that front end's whole count again in ``rate()``."""
+        with self._frontends_lock:
+            per_frontend = self.frontends()
+            for name, part in per_frontend:
+                kept = merged_stats([part])  # a copy: the front end goes on counting
+                for gauge in _FRONTEND_GAUGES:
+                    setattr(kept, gauge, 0)
+                self._last_read[name] = kept
+            read = {name for name, _ in per_frontend}
+            held = [part for name, part in self._last_read.items() if name not in read]
+        return per_frontend, merged_stats([*(part for _, part in per_frontend), *held])
 
     def _adapters(self, adapters: list[dict[str, Any]]) -> Iterator[Any]:
         """Per-adapter families.  An adapter whose usage or stats could not be read has
