@@ -5,18 +5,21 @@ fail every call while the warning said the store "does not answer yet"."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from cli_config import CLI
-from lmcache_plugin_redis.testing import RedisClusterNodes, RedisServer
+from lmcache_plugin_redis.testing import RedisClusterNodes, RedisServer, free_port
 
 from lmcache_tiers.config import decode_adapter
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.l2 import BackendAdapter
 from lmcache_tiers.plugins import load_registry
+from lmcache_tiers.testing.blocking import BlockingAdapterClient
+from lmcache_tiers.testing.l2 import make_keys, pattern
 
 WRONG_PASSWORD = "the-wrong-pw"
 
@@ -137,3 +140,35 @@ def test_tls_to_a_store_that_speaks_none_is_refused_at_start_up(
     node = redis_server.url.split("//", 1)[1].rsplit("/", 1)[0]
     assert f"{node} speaks no TLS (it answered a plain-text PING)" in str(raised.value)
     assert "use redis://" in str(raised.value)
+
+
+def test_a_tls_certificate_not_trusted_here_is_refused_at_start_up(
+    tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # Every connection would fail the same verification until the CA given changes:
+    # taken for a store that does not answer, it started with a dead L2.
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: no certificate for a TLS redis-server")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    request = ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert)]
+    subject = ["-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
+    subprocess.run(["openssl", *request, *subject], check=True, capture_output=True)
+    tls_port = free_port()
+    tls = ["--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key)]
+    server = RedisServer(tmp_path / "redis", extra=[*tls, "--tls-auth-clients", "no"]).start()
+    try:
+        url = f"rediss://127.0.0.1:{tls_port}/0"
+        with pytest.raises(ConfigError) as raised:
+            open_adapter(url=url, key_prefix=prefix, connection_timeout=2.0, request_timeout=2.0)
+        assert str(raised.value).startswith(
+            f"0:redis: rediss://127.0.0.1:{tls_port}: the store's TLS certificate is not trusted "
+            "(self-signed certificate): give its CA"
+        )
+        trusted = open_adapter(url=f"{url}?ssl_ca_certs={cert}", key_prefix=prefix)
+        keys = make_keys(2)
+        client = BlockingAdapterClient(trusted, timeout=30.0)
+        assert client.store(keys, [pattern(i, 4096) for i in range(2)]) == [True, True], (
+            "the CA given is used"
+        )
+    finally:
+        server.stop()

@@ -67,7 +67,13 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from lmcache_plugin_redis.client import build_client, describe, ignored_nodes, plain_text_node
+from lmcache_plugin_redis.client import (
+    build_client,
+    certificate_refusal,
+    describe,
+    ignored_nodes,
+    plain_text_node,
+)
 from lmcache_plugin_redis.config import RedisConfig
 from lmcache_plugin_redis.direct import DirectConnections, Send, pack_command
 from lmcache_plugin_redis.limits import default_limits, read_limits
@@ -603,6 +609,13 @@ class RedisBackend:
                     f"{self.context.name}: {self.target}: {plain} speaks no TLS (it answered a "
                     "plain-text PING), and the adapter connects with TLS (rediss://, or "
                     "tls_enable): use redis://, or turn TLS on in the store"
+                ) from None
+            untrusted = certificate_refusal(exc)
+            if untrusted is not None:
+                raise ConfigError(
+                    f"{self.context.name}: {self.target}: the store's TLS certificate is not "
+                    f"trusted ({untrusted}): give its CA (?ssl_ca_certs=<file> in the url), or "
+                    "check the host name the url names"
                 ) from None
             # Not fatal: the circuit breaker keeps probing and the adapter heals when it answers.
             log.warning(

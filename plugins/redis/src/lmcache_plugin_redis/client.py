@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import threading
 import urllib.parse
 from typing import Any, ClassVar
@@ -128,6 +129,22 @@ def plain_text_node(config: RedisConfig) -> str | None:
         # A TLS server answers a plain-text line with an alert record (0x15) or closes.
         if answer[:1] in (b"+", b"-"):
             return f"{host}:{port}"
+    return None
+
+
+def certificate_refusal(error: BaseException) -> str | None:
+    """Why the store's TLS certificate was not accepted, when that is what ``error`` (or
+    an error it came from) says; None otherwise.  The store answered: every connection
+    would fail the same check until the CA given or the certificate changes."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, ssl.SSLCertVerificationError):
+            return current.verify_message or str(current)
+        if "CERTIFICATE_VERIFY_FAILED" in str(current):  # redis-py keeps only the text
+            return str(current).partition("certificate verify failed: ")[2].split(" (_ssl")[0] or str(current)
+        current = current.__cause__ or current.__context__
     return None
 
 
