@@ -306,3 +306,31 @@ def test_loop_devices_over_overlapping_parts_of_one_file_are_refused_to_a_second
         finally:
             first.close()
         open_raw(sized_config(devices[1])).close()  # the first let its bytes go
+
+
+def test_objects_stored_through_a_loop_device_are_read_through_its_file_and_back() -> None:
+    """An operator may name the loop device in one run and the file behind it in the next
+    (or the other way round): the same bytes, the same geometry, so every object written
+    through one is read through the other with its bytes, and one written through the file
+    is read through the device again.  A miss here would be a silent loss of the cache."""
+    with loop_device(size=sized_config("x").capacity_bytes, directory=tempfile.mkdtemp()) as device:
+        on_device, on_file = sized_config(device), sized_config(_backing_file_of(device))
+        keys, payloads = make_keys(4), [b"d" * 3000, b"e" * 40_000, b"f" * 512, b"g" * 7000]
+        sizes = [len(data) for data in payloads]
+        through_device = open_raw(on_device)
+        try:
+            assert store(through_device, keys[:3], payloads[:3]) == [True] * 3
+        finally:
+            through_device.close()
+        through_file = open_raw(on_file)
+        try:
+            assert load(through_file, keys[:3], sizes[:3]) == ([True] * 3, payloads[:3])
+            assert through_file.stats().get("device_formats", 0) == 0
+            assert store(through_file, keys[3:], payloads[3:]) == [True]
+        finally:
+            through_file.close()
+        again = open_raw(on_device)
+        try:
+            assert load(again, keys, sizes) == ([True] * 4, payloads)
+        finally:
+            again.close()
