@@ -117,6 +117,10 @@ class Lookups:
         return job.hits
 
     def wait_prefetch_status(self, request_id: str, timeout: float) -> Any:
+        if timeout != timeout:
+            # NaN: no deadline is ever reached nor passed, and the wait spun on a pool
+            # thread for as long as the prefetch ran.  LMCache's server raises on it.
+            raise RequestRefused("mp_bad_request", "wait_prefetch_status with a timeout of NaN")
         job = self._job(request_id)
         if job is None or job.delivered:
             return 0
