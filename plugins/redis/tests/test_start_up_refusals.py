@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -142,21 +143,31 @@ def test_tls_to_a_store_that_speaks_none_is_refused_at_start_up(
     assert "use redis://" in str(raised.value)
 
 
-def test_a_tls_certificate_not_trusted_here_is_refused_at_start_up(
-    tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter]
-) -> None:
-    # Every connection would fail the same verification until the CA given changes:
-    # taken for a store that does not answer, it started with a dead L2.
+@contextmanager
+def tls_only_store(directory: Path) -> Iterator[tuple[int, Path]]:
+    """A redis-server answering TLS alone on a port of its own, with a self-signed
+    certificate for 127.0.0.1: (its TLS port, the certificate)."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed: no certificate for a TLS redis-server")
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    key, cert = directory / "key.pem", directory / "cert.pem"
     request = ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert)]
     subject = ["-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
     subprocess.run(["openssl", *request, *subject], check=True, capture_output=True)
     tls_port = free_port()
     tls = ["--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key)]
-    server = RedisServer(tmp_path / "redis", extra=[*tls, "--tls-auth-clients", "no"]).start()
+    server = RedisServer(directory / "redis", extra=[*tls, "--tls-auth-clients", "no"]).start()
     try:
+        yield tls_port, cert
+    finally:
+        server.stop()
+
+
+def test_a_tls_certificate_not_trusted_here_is_refused_at_start_up(
+    tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # Every connection would fail the same verification until the CA given changes:
+    # taken for a store that does not answer, it started with a dead L2.
+    with tls_only_store(tmp_path) as (tls_port, cert):
         url = f"rediss://127.0.0.1:{tls_port}/0"
         with pytest.raises(ConfigError) as raised:
             open_adapter(url=url, key_prefix=prefix, connection_timeout=2.0, request_timeout=2.0)
@@ -170,5 +181,17 @@ def test_a_tls_certificate_not_trusted_here_is_refused_at_start_up(
         assert client.store(keys, [pattern(i, 4096) for i in range(2)]) == [True, True], (
             "the CA given is used"
         )
-    finally:
-        server.stop()
+
+
+def test_no_tls_to_a_store_that_speaks_tls_only_is_refused_at_start_up(
+    tmp_path: Path, prefix: str, open_adapter: Callable[..., BackendAdapter]
+) -> None:
+    # The store resets a plain-text connection: taken for a store that does not answer,
+    # it started with a dead L2.
+    with tls_only_store(tmp_path) as (tls_port, _cert):
+        with pytest.raises(ConfigError) as raised:
+            open_adapter(url=f"redis://127.0.0.1:{tls_port}/0", key_prefix=prefix, connection_timeout=2.0)
+        assert str(raised.value).startswith(
+            f"0:redis: redis://127.0.0.1:{tls_port}: 127.0.0.1:{tls_port} speaks TLS only (it completed "
+            "a TLS handshake), and the adapter connects without: use rediss://"
+        )

@@ -73,6 +73,7 @@ from lmcache_plugin_redis.client import (
     describe,
     ignored_nodes,
     plain_text_node,
+    tls_only_node,
 )
 from lmcache_plugin_redis.config import RedisConfig
 from lmcache_plugin_redis.direct import DirectConnections, Send, pack_command
@@ -609,6 +610,13 @@ class RedisBackend:
                     f"{self.context.name}: {self.target}: {plain} speaks no TLS (it answered a "
                     "plain-text PING), and the adapter connects with TLS (rediss://, or "
                     "tls_enable): use redis://, or turn TLS on in the store"
+                ) from None
+            tls_only = tls_only_node(self.config)
+            if tls_only is not None:
+                raise ConfigError(
+                    f"{self.context.name}: {self.target}: {tls_only} speaks TLS only (it completed "
+                    "a TLS handshake), and the adapter connects without: use rediss:// (or "
+                    "tls_enable)"
                 ) from None
             untrusted = certificate_refusal(exc)
             if untrusted is not None:

@@ -132,6 +132,28 @@ def plain_text_node(config: RedisConfig) -> str | None:
     return None
 
 
+def tls_only_node(config: RedisConfig) -> str | None:
+    """``host:port`` of a node the config reaches without TLS that completes a TLS
+    handshake, i.e. speaks TLS only; None when none does, or the config uses TLS.  Such a
+    node resets a plain-text connection, which would read as a store that does not answer."""
+    if _uses_tls(config) or (config.url or "").startswith("unix:"):
+        return None
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # only whether it speaks TLS at all is asked
+    seeds = config.seed_nodes() if config.cluster_mode else config.seed_nodes()[:1]
+    for host, port in seeds:
+        try:
+            with (
+                socket.create_connection((host, port), timeout=_PLAIN_CHECK_S) as probe,
+                context.wrap_socket(probe, server_hostname=host),
+            ):
+                return f"{host}:{port}"
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def certificate_refusal(error: BaseException) -> str | None:
     """Why the store's TLS certificate was not accepted, when that is what ``error`` (or
     an error it came from) says; None otherwise.  The store answered: every connection
