@@ -79,6 +79,27 @@ def test_a_mapping_reformatted_for_another_geometry_is_counted() -> None:
             smaller.close()
 
 
+def test_a_reformat_for_another_geometry_names_what_changed(caplog: pytest.LogCaptureFixture) -> None:
+    """docs/upgrading.md: another geometry reformats the mapping "with one WARNING naming
+    what changed" -- the operator's edit that dropped the cache, as raw_block names it."""
+    with shm_dir() as directory:
+        adapter = open_dax(config(directory / "dax.img"))
+        try:
+            assert store(adapter, make_keys(2), data_for(2)) == [True, True]
+        finally:
+            adapter.close()
+        with caplog.at_level(logging.WARNING, logger="lmcache_plugin_dax"):
+            smaller = open_dax(config(directory / "dax.img", slots=8))
+        try:
+            assert smaller.stats()["device_formats"] == 1
+        finally:
+            smaller.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "its geometry changed (" in warnings[0] and "slot_count 16 -> 8" in warnings[0], warnings[0]
+    assert "its objects are dropped" in warnings[0], warnings[0]
+
+
 @pytest.mark.parametrize("where", ["slot", "index entry"])
 def test_a_flipped_byte_is_a_miss_removed_for_good(where: str) -> None:
     with shm_dir() as directory:

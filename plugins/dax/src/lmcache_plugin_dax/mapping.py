@@ -45,6 +45,17 @@ SUPERBLOCK_MAGIC = DAX_MAGIC
 _NAME = "dax"
 
 
+def _geometry_change(found: dict[str, int], layout: DaxLayout) -> str:
+    """Why a mapping of ``found``'s geometry is formatted for ``layout``, naming each value
+    that changed (the edit that emptied the cache, as the operator reads it)."""
+    changed = sorted(
+        f"{name} {found.get(name)} -> {value}"
+        for name, value in layout.as_dict().items()
+        if found.get(name) != value
+    )
+    return "its geometry changed (" + ", ".join(changed) + ")"
+
+
 def _open(path: str) -> tuple[int, bool, tuple[str, os.stat_result] | None]:
     """A read-write descriptor of ``path`` (a regular file is created if missing), whether
     it is a character device, and the path and stat of the file if this call created it
@@ -170,7 +181,11 @@ class DaxRegion:
             self.identity = superblock.identity
             return True
         if superblock is not None:
-            reason = "persist_enabled is false" if not keep else "its geometry changed"
+            reason = (
+                "persist_enabled is false" if not keep else _geometry_change(superblock.geometry, self.layout)
+            )
+            # A cache of ours, emptied: said so, as the operator's edit may not have meant it.
+            reason += "; its objects are dropped"
         elif has_magic(head, SUPERBLOCK_MAGIC):
             reason = unreadable_reason(head)
         else:
