@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import errno
 import fcntl
 import itertools
@@ -26,6 +27,7 @@ import logging
 import os
 import re
 import resource
+import secrets
 import socket
 import stat
 import tempfile
@@ -107,6 +109,7 @@ class RouterLoop:
         self.drain_timeout_s = drain_timeout_s
         before = thread_ids()
         self._context = zmq.Context()
+        _seed_routing_ids(name)
         self.socket = self._context.socket(zmq.ROUTER)  # starts the context's I/O thread
         # Every request and reply passes through libzmq's I/O thread: it gets the priority
         # of the thread that starts the loop, as the loop thread and the pool do.  Told
@@ -738,3 +741,25 @@ def _stale_socket_inode(path: str) -> int | None:
     except FileNotFoundError:
         return None
     return found.st_ino if _dead_socket_file(path) else None
+
+
+def _seed_routing_ids(name: str) -> None:
+    """Seed the C library's ``rand()`` from the OS's randomness, just before a ROUTER is made.
+
+    libzmq numbers a ROUTER's connections (those whose peer chose no routing identity) from
+    a start drawn from ``rand()`` when the socket is made, which nothing seeds: every
+    server handed out the same identities (``006b8b4567`` and on, one more per connection).
+    A peer may choose its identity, one of those too, and libzmq aborts the whole process
+    (an assertion in its table of peers) when it hands a new connection an identity a peer
+    holds: a local client claiming the next few hundred identities, then connecting once
+    more (or any ordinary client connecting next), killed the server.  Seeded, the start is
+    one of 2^32 that no peer can hold connections enough to cover."""
+    try:
+        ctypes.CDLL(None).srand(secrets.randbits(32))
+    except (OSError, AttributeError) as exc:  # no C library to call: the start stays known
+        logger.warning(
+            "%s: could not seed the C library's rand() (%s): a client choosing the routing "
+            "identities this ROUTER hands out next can make libzmq abort the server",
+            name,
+            exc,
+        )

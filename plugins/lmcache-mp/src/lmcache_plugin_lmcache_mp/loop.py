@@ -13,10 +13,8 @@ counted, and -- like LMCache's server -- not answered.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import secrets
 import threading
 import time
 from collections import Counter
@@ -93,7 +91,6 @@ class MPServer:
         shared = handlers.shared
         self.stats: FrontendStats = shared.stats
         self.name = name
-        seed_routing_ids(name)
         self.router = RouterLoop(
             endpoint,
             name=name,
@@ -357,27 +354,6 @@ class _PoolRequest:
                 return False
             self.given_up = True
             return True
-
-
-def seed_routing_ids(name: str) -> None:
-    """Seed the C library's ``rand()`` from the OS's randomness, before the ROUTER is made.
-
-    libzmq numbers a ROUTER's connections from a start drawn from ``rand()``, which nothing
-    seeds: every server made alike hands out the same identities (``006b8b4567`` and on,
-    one more per connection).  A peer may choose its identity, one of those too, and when
-    libzmq then hands that identity to a new connection -- LMCache's clients never choose
-    theirs -- an assertion in its table of peers aborts the whole server: a client claiming
-    the next identities and connecting once more killed it.  Seeded, the start is one of
-    2^31, which a peer cannot hold connections enough to cover."""
-    try:
-        ctypes.CDLL(None).srand(secrets.randbits(32))
-    except (OSError, AttributeError) as exc:  # no C library to call: the start stays known
-        logger.warning(
-            "%s: could not seed the C library's rand() (%s): a client choosing the routing "
-            "identities this ROUTER hands out next can make libzmq abort the server",
-            name,
-            exc,
-        )
 
 
 def connection(identity: bytes, fd: int) -> bytes:
