@@ -105,7 +105,9 @@ class LMCacheMPConfig(FrontendConfig, kw_only=True, frozen=True, forbid_unknown_
         # ZeroMQ takes the limit as an int64 of bytes; a msgpack bin (the pickled chunks of
         # one commit_store) holds at most 4 GiB anyway.
         _doc(
-            "Largest request frame in MiB (pickled chunks); a larger one disconnects its client.",
+            "Largest request frame in MiB (pickled chunks); a larger one disconnects its client. "
+            "Also the most a connection's unread pickled retrieve replies may hold before it is "
+            "answered misses.",
             ge=1,
             le=4096,
         ),
