@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 from pathlib import Path
+from typing import Any
 
 import pytest
 from lmcache_plugin_raw_block import RawBlockConfig
@@ -280,6 +281,33 @@ def test_a_superblock_of_a_newer_format_is_reformatted_and_says_so(
         assert "damaged" not in caplog.text
     finally:
         reopened.close()
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        ({"slots": 8}, "its geometry changed (slot_count 16 -> 8, used_bytes "),
+        ({"load_checkpoint_on_init": False}, "load_checkpoint_on_init is false"),
+    ],
+)
+def test_a_reformat_of_a_cache_says_its_objects_are_dropped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, edit: dict[str, Any], said: str
+) -> None:
+    """An edited config that empties the device is one warning naming the edit and the
+    loss, not only a format of so many slots."""
+    adapter = open_raw(config(tmp_path / "dev.img"))
+    assert store(adapter, make_keys(1), [b"abc"]) == [True]
+    adapter.close()
+    with caplog.at_level("WARNING", logger="lmcache_plugin_raw_block"):
+        reopened = open_raw(config(tmp_path / "dev.img", **edit))
+    try:
+        assert reopened.stats()["device_formats"] == 1
+        assert list(reopened.iter_keys()) == []
+    finally:
+        reopened.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert said in warnings[0] and "its objects are dropped" in warnings[0], warnings[0]
 
 
 def test_slots_quarantined_after_a_media_error_leave_the_capacity(

@@ -69,15 +69,16 @@ def _reformat_reason(found: bytes, magic_ok: bool, geometry: Geometry, config: R
             "(if it is meant for raw_block, erase its signatures first: wipefs, or zero its first 68 KiB)"
         )
     if superblock is not None:
+        # A cache of ours, emptied: said so, as the operator's edit may not have meant it.
         if not config.load_checkpoint_on_init:
-            return "load_checkpoint_on_init is false"
+            return "load_checkpoint_on_init is false; its objects are dropped"
         if superblock.geometry != geometry.as_dict():
             changed = sorted(
                 f"{name} {superblock.geometry.get(name)} -> {value}"
                 for name, value in geometry.as_dict().items()
                 if superblock.geometry.get(name) != value
             )
-            return "its geometry changed (" + ", ".join(changed) + ")"
+            return "its geometry changed (" + ", ".join(changed) + "); its objects are dropped"
         return None
     if magic_ok:
         return unreadable_reason(found)
