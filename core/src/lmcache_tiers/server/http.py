@@ -2,7 +2,8 @@
 
 It runs on its own threads so a slow scraper never delays an RPC, and it only reads:
 nothing here changes server state, and nothing takes a path from the request beyond
-matching these three routes (``GET`` or ``HEAD``; any other method is answered 405).
+matching these three routes (``GET`` or ``HEAD``; any other method is answered 405, or
+501 for one it has no handler for, such as TRACE; any other path 404).
 ``/metrics`` and ``/healthz`` carry counters and a health
 word only, never a process id, segment name or path; ``/status`` carries all of those,
 so when the endpoint listens beyond loopback it answers only requests that present the
@@ -22,7 +23,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from lmcache_tiers.burst import BurstLog
+from lmcache_tiers.burst import BurstLog, PolicyFailureLog
 from lmcache_tiers.strict_json import strict_json
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 #: how long a connection may wait to send its request: an idle one would hold its thread;
 #: also how long it may take to send it whole (and be answered), however it trickles in
 REQUEST_TIMEOUT_S = 30.0
+#: the socket timeout of a connection, in deadlines: a backstop the deadline always beats
+SOCKET_TIMEOUT_FACTOR = 2.0
 #: failure reasons of the endpoint itself (counted through ``failed``, shown under failures)
 REFUSED_STATUS = "http_status_refused"
 ROUTE_FAILED = "http_route_failed"
@@ -40,6 +43,8 @@ REFUSED_BUSY = "http_connection_refused_busy"
 #: HTTP version or method it does not speak) or one using a method the routes do not allow
 REFUSED_MALFORMED = "http_request_malformed"
 REFUSED_METHOD = "http_method_not_allowed"
+#: a request for a path that is none of the routes (a scraper configured with a wrong path)
+NOT_FOUND = "http_path_not_found"
 #: connections served at once: each holds a thread (and its deadline's timer) for up to
 #: REQUEST_TIMEOUT_S, so a client opening them without end would take threads and file
 #: descriptors from the whole server; those over the limit are closed at once, counted
@@ -158,6 +163,10 @@ class HttpEndpoint:
         """``status_token``: when set, ``/status`` needs ``Authorization: Bearer <it>``.
         ``failed(reason)`` counts each refusal and each route that failed."""
         count = failed if failed is not None else (lambda reason: None)
+        # this endpoint's own: a route failing on every scrape, or a client cut at every
+        # deadline, must cost a line per burst, not one per request
+        route_failures = PolicyFailureLog(logger, ROUTE_FAILED)
+        timeouts = BurstLog(logger, TIMED_OUT, level=logging.INFO)
         routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
             "/metrics": lambda: (200, CONTENT_TYPE_LATEST, metrics()),
             "/status": lambda: (200, "application/json", strict_json(status()).encode()),
@@ -167,11 +176,14 @@ class HttpEndpoint:
 
         class Handler(BaseHTTPRequestHandler):
             server_version = "lmcache-tiers"
-            timeout = REQUEST_TIMEOUT_S
+            # The socket's own timeout only backs up the deadline set in setup(), which
+            # counts and logs the cut: one as short would race it and close an idle
+            # connection with a debug line alone.
+            timeout = REQUEST_TIMEOUT_S * SOCKET_TIMEOUT_FACTOR
 
             def setup(self) -> None:
                 super().setup()
-                # The socket timeout bounds each wait, not the exchange: a client sending a
+                # A socket timeout bounds each wait, not the exchange: a client sending a
                 # byte now and then would keep this thread for good.  At the deadline the
                 # connection is shut down, which ends any read or write of it.
                 self._cut_lock = threading.Lock()
@@ -191,7 +203,8 @@ class HttpEndpoint:
                     except OSError:
                         pass  # the peer reset it already
                 count(TIMED_OUT)
-                logger.info(
+                timeouts.warn(
+                    TIMED_OUT,
                     "HTTP connection from %s cut: not done within %gs",
                     self.address_string(),
                     REQUEST_TIMEOUT_S,
@@ -248,6 +261,14 @@ class HttpEndpoint:
                 super().send_error(code, message, explain)
 
             def _not_found(self, *, send_body: bool) -> None:
+                count(NOT_FOUND)
+                _bad_requests.warn(
+                    NOT_FOUND,
+                    "HTTP %s %.80r from %s: no such route (the routes are /metrics, /status, /healthz)",
+                    self.command,
+                    self.path,
+                    self.address_string(),
+                )
                 body = b"not found: try /metrics, /status, /healthz\n"
                 self._reply(404, "text/plain; charset=utf-8", body, send_body=send_body)
 
@@ -282,7 +303,7 @@ class HttpEndpoint:
                     code, content_type, body = route()
                 except Exception:
                     count(ROUTE_FAILED)
-                    logger.exception("HTTP %s failed", self.path)
+                    route_failures.failed("HTTP %s failed", path)
                     code, content_type, body = 500, "text/plain; charset=utf-8", b"internal error\n"
                 self._reply(code, content_type, body, send_body=send_body)
 
