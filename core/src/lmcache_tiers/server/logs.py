@@ -11,7 +11,14 @@ __all__ = ["LOG_LEVEL_ENV", "configure_logging"]
 logger = logging.getLogger("lmcache_tiers.server.app")
 
 LOG_LEVEL_ENV = "LMCACHE_LOG_LEVEL"
-_LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR}
+#: LMCache's own levels: an engine's environment set for LMCache means the same here
+_LEVELS = {
+    "DEBUG": logging.DEBUG,
+    "INFO": logging.INFO,
+    "WARNING": logging.WARNING,
+    "ERROR": logging.ERROR,
+    "CRITICAL": logging.CRITICAL,
+}
 
 
 def configure_logging() -> None:
