@@ -85,7 +85,8 @@ def segment_name_holder(config: MooncakeStoreConfig, timeout_s: float) -> str | 
     return (
         f"local_hostname {name!r}: another Mooncake client holds this name (a value ending in a "
         "port is this server's segment name as is, and Mooncake refuses a second client under "
-        "it); give each server its own, or leave the port out and Mooncake picks a free one"
+        "it; a run of this server that ended without closing holds it for a few seconds); give "
+        "each server its own, or leave the port out and Mooncake picks a free one"
     )
 
 
