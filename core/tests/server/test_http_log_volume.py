@@ -19,7 +19,15 @@ import pytest
 
 from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.server import http as http_endpoint
-from lmcache_tiers.server.http import NOT_FOUND, REFUSED_MALFORMED, ROUTE_FAILED, TIMED_OUT, HttpEndpoint
+from lmcache_tiers.server.http import (
+    NOT_FOUND,
+    PACED,
+    REFUSED_BUSY,
+    REFUSED_MALFORMED,
+    ROUTE_FAILED,
+    TIMED_OUT,
+    HttpEndpoint,
+)
 
 HAMMERED = 60
 #: one burst window (60 s) holds each run; a slow machine may cross into a second
@@ -40,6 +48,9 @@ class Counted:
 def logged(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> pytest.LogCaptureFixture:
     # a fresh burst: an earlier test's refusal within the window would hold back the first line
     monkeypatch.setattr(http_endpoint, "_bad_requests", BurstLog(http_endpoint.logger, REFUSED_MALFORMED))
+    monkeypatch.setattr(http_endpoint, "_refusals", BurstLog(http_endpoint.logger, REFUSED_BUSY))
+    # these tests count their own reasons: no connection is held back to the pace
+    monkeypatch.setattr(http_endpoint, "CONNECTION_BURST", 1 << 20)
     caplog.set_level(logging.DEBUG, logger="lmcache_tiers.server.http")
     return caplog
 
@@ -146,3 +157,22 @@ def test_a_client_that_does_not_read_its_answer_is_cut_and_counted(
         served.stop()
     assert counted.counts == {TIMED_OUT: stalled}
     assert not [record for record in logged.records if record.exc_info], "a cut is no traceback"
+
+
+def test_connections_faster_than_the_pace_wait_their_turn_counted(
+    logged: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each connection costs a thread and parsing on the interpreter the RPC front ends
+    share: a client opening them as fast as it can is held to the endpoint's pace -- every
+    request still answered, the waits counted and logged once per burst."""
+    monkeypatch.setattr(http_endpoint, "MAX_CONNECTIONS_PER_S", 50.0)
+    monkeypatch.setattr(http_endpoint, "CONNECTION_BURST", 5)
+    counted = Counted()
+    for port in serving(counted):
+        codes = [answer(port, "GET", "/healthz") for _ in range(HAMMERED)]
+    assert codes == [200] * HAMMERED
+    assert set(counted.counts) == {PACED}
+    # the burst, and what the pace refilled while the first were served, went through
+    assert 0 < counted.counts[PACED] < HAMMERED
+    found = lines(logged, "HTTP connections arrive faster than 50 a second")
+    assert 1 <= len(found) <= MOST_LINES, [record.getMessage() for record in found]

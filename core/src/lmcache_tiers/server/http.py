@@ -17,6 +17,7 @@ import logging
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -49,6 +50,13 @@ NOT_FOUND = "http_path_not_found"
 #: REQUEST_TIMEOUT_S, so a client opening them without end would take threads and file
 #: descriptors from the whole server; those over the limit are closed at once, counted
 MAX_CONNECTIONS = 32
+#: connections taken a second in the long run, and at once after a quiet spell: each costs
+#: a thread and parsing on the interpreter the RPC front ends share, so a client opening
+#: them as fast as it can would slow every RPC; scrapers need a few a second.  Those past
+#: the pace wait in the listen backlog for their turn, counted
+MAX_CONNECTIONS_PER_S = 50.0
+CONNECTION_BURST = 50
+PACED = "http_connection_paced"
 #: names of the endpoint's threads in a thread dump: one per connection served, and the
 #: timer that cuts that connection at its deadline
 CONNECTION_THREAD = "tiers-http-connection"
@@ -71,6 +79,7 @@ class _Server(ThreadingHTTPServer):
     #: set by HttpEndpoint before it serves
     slots: threading.BoundedSemaphore
     refused: Callable[[], object]
+    pace: _Pace
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._connections: set[threading.Thread] = set()
@@ -78,6 +87,7 @@ class _Server(ThreadingHTTPServer):
         super().__init__(*args, **kwargs)
 
     def process_request(self, request: Any, client_address: Any) -> None:
+        self.pace.wait(client_address[0])
         if not self.slots.acquire(blocking=False):
             self.refused()
             _refusals.warn(
@@ -140,6 +150,38 @@ class _Server(ThreadingHTTPServer):
             logger.debug("HTTP client %s went away: %s", client_address, error)
         else:
             logger.exception("HTTP request from %s failed", client_address)
+
+
+class _Pace:
+    """Takes at most ``MAX_CONNECTIONS_PER_S`` connections a second in the long run,
+    ``CONNECTION_BURST`` at once.  Only the accept loop calls it: waiting here holds back the
+    next accept, so connections past the pace queue in the kernel, costing no thread."""
+
+    def __init__(self, paced: Callable[[], object]) -> None:
+        self._rate = MAX_CONNECTIONS_PER_S
+        self._burst = float(CONNECTION_BURST)
+        self._tokens = self._burst
+        self._last = time.monotonic()
+        self._paced = paced
+
+    def wait(self, client: str) -> None:
+        now = time.monotonic()
+        self._tokens = min(self._burst, self._tokens + (now - self._last) * self._rate)
+        self._last = now
+        if self._tokens < 1.0:
+            delay = (1.0 - self._tokens) / self._rate
+            self._paced()
+            _refusals.warn(
+                PACED,
+                "HTTP connections arrive faster than %g a second: the one from %s waited %.3fs",
+                self._rate,
+                client,
+                delay,
+            )
+            time.sleep(delay)
+            self._last = time.monotonic()
+            self._tokens = 1.0
+        self._tokens -= 1.0
 
 
 class _Server6(_Server):
@@ -333,6 +375,7 @@ class HttpEndpoint:
         self._server = (_Server6 if ":" in host else _Server)((host, port), Handler)
         self._server.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._server.refused = lambda: count(REFUSED_BUSY)
+        self._server.pace = _Pace(lambda: count(PACED))
         self._thread = threading.Thread(target=self._server.serve_forever, name="tiers-http", daemon=True)
 
     @property
