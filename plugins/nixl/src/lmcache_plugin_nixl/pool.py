@@ -172,16 +172,34 @@ class FileSlots:
                 failures += 1
                 log.warning("slot file descriptor %d of %s could not be closed: %s", fd, self.directory, exc)
         if remove:
-            for slot in range(len(self._buffered)):
-                try:
-                    os.unlink(os.path.join(self.directory, slot_file_name(slot)))
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:  # truncated by the next start on this directory
-                    log.warning("slot file %d of %s could not be removed: %s", slot, self.directory, exc)
+            self._remove_slot_files()
         self._buffered, self._direct = [], []
         self._lock.release()
         return failures
+
+    def _remove_slot_files(self) -> None:
+        """Unlink every slot file; those that fail are truncated by the next start on this
+        directory.  One line for all of them: a pool of many slots in a directory gone
+        read-only must not log a line a slot."""
+        failed: list[tuple[int, OSError]] = []
+        for slot in range(len(self._buffered)):
+            try:
+                os.unlink(os.path.join(self.directory, slot_file_name(slot)))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                failed.append((slot, exc))
+        if failed:
+            slot, first = failed[0]
+            log.warning(
+                "%d of %d slot files of %s could not be removed (slot %d: %s); the next start "
+                "on this directory truncates them",
+                len(failed),
+                len(self._buffered),
+                self.directory,
+                slot,
+                first,
+            )
 
     def close(self) -> int:
         if self._registration is not None:
