@@ -1,8 +1,10 @@
-"""Two real servers with different serde chains sharing one L2 (Redis, S3 on SeaweedFS) at
-the same time, as docs/deploy/shared-l2.md warns against: both store the same prompt, one
-after the other, and read it back.  A record of the other chain (or of another aesgcm key)
-is a miss counted on the reader, and never its encoded bytes handed out as the chunk;
-chains that differ only in a serde's options read each other's records with their bytes."""
+"""Two real servers with different serde chains sharing one L2 (Redis, S3 on SeaweedFS, a
+Mooncake Store pool) at the same time, as docs/deploy/shared-l2.md warns against: both
+store the same prompt, one after the other, and read it back.  A record of the other chain
+(or of another aesgcm key) is a miss counted on the reader, and never its encoded bytes
+handed out as the chunk; chains that differ only in a serde's options read each other's
+records with their bytes -- a key one server stored and the other stored again, of
+another size, too."""
 
 from __future__ import annotations
 
@@ -10,13 +12,15 @@ import importlib.util
 import os
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
-from tiers_e2e import ServerProcess, digest, fetch, make_keys, make_payloads, metric, start_server
+from tiers_e2e import ServerProcess, digest, fetch, make_keys, metric, start_server
 
 from lmcache_tiers.client import Client
 
@@ -56,10 +60,30 @@ def _s3_store(tmp_path: Path, stack: ExitStack) -> SharedStore:
     return {"type": "s3", "bucket": "shared", "endpoint_url": seaweed.endpoint}, seaweed.env
 
 
-STORES: dict[str, Callable[[Path, ExitStack], SharedStore]] = {"redis": _redis_store, "s3": _s3_store}
+def _mooncake_store(tmp_path: Path, stack: ExitStack) -> SharedStore:
+    if importlib.util.find_spec("lmcache_plugin_mooncake") is None:
+        pytest.skip("lmcache-plugin-mooncake is not installed")
+    from lmcache_plugin_mooncake.cluster import LocalCluster, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    cluster = LocalCluster(tmp_path)
+    stack.callback(cluster.stop)
+    cluster.start()
+    cluster.add_segment_host("256MB")
+    # The servers' Mooncake clients use the loopback address.
+    return cluster.adapter(), {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+
+
+STORES: dict[str, Callable[[Path, ExitStack], SharedStore]] = {
+    "mooncake": _mooncake_store,
+    "redis": _redis_store,
+    "s3": _s3_store,
+}
 #: the adapter field naming each test's own part of the store
-NAMESPACE_FIELD = {"redis": "key_prefix", "s3": "prefix"}
-NAMESPACE_END = {"redis": ":", "s3": "/"}
+NAMESPACE_FIELD = {"mooncake": "key_prefix", "redis": "key_prefix", "s3": "prefix"}
+NAMESPACE_END = {"mooncake": "/", "redis": ":", "s3": "/"}
 
 
 @pytest.fixture(scope="module", params=sorted(STORES))
@@ -102,6 +126,18 @@ MISS_COUNTER = {
 }
 
 
+def prompt_chunks(tag: str) -> list[np.ndarray[Any, Any]]:
+    """The prompt ``tag``'s chunks: words of a small random vocabulary, which zstd's levels
+    compress to different sizes (random bytes it stores as they are, at one size)."""
+    rng = np.random.default_rng(zlib.crc32(tag.encode()))
+    vocabulary = [rng.integers(0, 256, int(rng.integers(3, 12)), dtype=np.uint8) for _ in range(64)]
+    chunks = []
+    for _ in range(COUNT):
+        words = np.concatenate([vocabulary[i] for i in rng.integers(0, len(vocabulary), CHUNK // 3)])
+        chunks.append(words[:CHUNK].copy())
+    return chunks
+
+
 class Node:
     def __init__(self, server: ServerProcess, adapter_name: str) -> None:
         self.server, self.adapter_name = server, adapter_name
@@ -110,7 +146,7 @@ class Node:
         """Store the prompt ``tag``, wait until L2 holds it, then empty L1 so reads come from L2."""
         with Client(self.server.url, timeout=HANG_GUARD_S) as client:
             before = int(client.status()["adapters"][0]["keys_stored"])
-            client.store(make_keys(tag, COUNT), make_payloads(tag, COUNT, CHUNK))
+            client.store(make_keys(tag, COUNT), prompt_chunks(tag))
             deadline = time.monotonic() + HANG_GUARD_S
             while int(client.status()["adapters"][0]["keys_stored"]) < before + COUNT:
                 assert time.monotonic() < deadline, "the store controller never wrote the chunks to L2"
@@ -125,7 +161,7 @@ class Node:
             with client.retrieve(keys[:hits]) as views:
                 got = digest(views)
             client.clear()
-        assert got == digest(make_payloads(tag, COUNT, CHUNK))[:hits], f"wrong bytes for {tag!r}"
+        assert got == digest(prompt_chunks(tag))[:hits], f"wrong bytes for {tag!r}"
         return hits
 
     def stat(self, name: str) -> float:
@@ -148,7 +184,9 @@ def pair(case: str, tmp_path: Path, store_service: tuple[str, SharedStore]) -> I
     try:
         for name, chain in zip(("first", "second"), _chains(case, tmp_path), strict=True):
             config = {**adapter, **namespace, "serde": chain}
-            nodes.append(Node(start_server(tmp_path / name, adapters=[config], env=env), f"0:{kind}"))
+            nodes.append(
+                Node(start_server(tmp_path / name, adapters=[config], env=env), f"0:{adapter['type']}")
+            )
         yield nodes[0], nodes[1]
     finally:
         for node in nodes:
@@ -164,8 +202,16 @@ def test_each_server_reads_its_own_records_and_never_the_other_chains(
         first.store_through_l2("prompt")
         if counter is None:
             assert second.read_checked("prompt") == COUNT, "chains differing in options only read each other"
+            # Each stores the prompt again, replacing the other's records with records of
+            # another size than the other accounts: each reads them all the same.
+            second.store_through_l2("prompt")
+            assert first.read_checked("prompt") == COUNT
+            first.store_through_l2("prompt")
+            assert second.read_checked("prompt") == COUNT
             second.store_through_l2("other")
             assert first.read_checked("other") == COUNT
+            for node in (first, second):
+                assert node.stat("lookup_size_unknown") == 0, node.log()
             return
         assert second.read_checked("prompt") == 0, "the other chain's records must be misses"
         assert second.stat(counter) >= 1, second.log()

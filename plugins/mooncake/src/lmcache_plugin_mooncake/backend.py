@@ -15,10 +15,11 @@ serde chain, XXH3-128 checksum of the payload) followed by the payload.
   through this adapter or listed at start) is core's when no serde chain is configured.
   Only the other hits ask the master for their replicas' sizes (a record's payload is
   its size minus the header), and only for a key core does not know (another server
-  stored it) is the header read too: it tells the L1 size under a size-changing serde
-  chain, and whether the record is of this key at all (see ``_header``).  A
-  load that finds an object of another size (replaced by another writer) is a miss, and
-  that key's next lookup asks the master for its size again.
+  stored it), or, under a serde chain, one of another size than core accounts (another
+  server stored it again), is the header read too: it tells the L1 size under a
+  size-changing serde chain, and whether the record is of this key at all (see
+  ``_header``).  A load that finds an object of another size (replaced by another
+  writer) is a miss, and that key's next lookup asks the master for its size again.
 * Load: per key, the header into a registered lane and the payload straight into the L1
   buffer, exactly the sizes the lookup reported, then the headers and payload checksums
   are verified; anything that does not verify is a miss, and damage is removed.  Into
@@ -806,16 +807,28 @@ class MooncakeStoreBackend:
                 )
                 continue
             found[index] = size - HEADER_BYTES
-            if self.context.l1_size_of(keys[index]) is None or names[index] in reread:
-                # Not known here (another server stored it): its header tells the L1 size
-                # under a size-changing chain, and whether the record is of this key at all
-                # -- a server whose key_prefix extends this one's names its objects as
-                # this server names other keys, and a hit would account that object here.
+            if self._sized_by_header(keys[index], size - HEADER_BYTES) or names[index] in reread:
                 # A record a delete kept is read again: it is not this server's (a miss).
                 need_header.append(index)
         for chunk in chunks(len(need_header)):
             self._sizes_from_headers(store, keys, names, [need_header[i] for i in chunk], found, reread)
         return found
+
+    def _sized_by_header(self, key: ObjectKey, stored: int) -> bool:
+        """Whether a lookup that found ``key``'s object holding ``stored`` payload bytes
+        reads its record header: when core does not know the key (another server stored
+        it) -- the header tells the L1 size under a size-changing chain, and whether the
+        record is of this key at all (a server whose key_prefix extends this one's names
+        its objects as this server names other keys, and a hit would account that object
+        here) -- and, under a chain, when ``stored`` is not the size core accounts: a
+        server whose chain differs only in a serde's options (zstd's level) stored the key
+        again, and only the header tells the L1 size of its record."""
+        if self.context.l1_size_of(key) is None:
+            return True
+        if not self.context.serde:
+            return False  # the stored size is the L1 size
+        accounted = self.context.accounted_size(key)
+        return accounted is None or accounted.stored != stored
 
     def _unread_answer(
         self, key: ObjectKey, name: str, stored: int | ObjectSize | None, reread: set[str]
