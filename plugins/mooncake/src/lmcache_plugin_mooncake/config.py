@@ -187,8 +187,9 @@ class MooncakeStoreConfig(L2AdapterConfig):
             min_length=1,
             max_length=255,
             description=(
-                "Address of this host that other Mooncake clients reach (they read the objects "
-                "in the segment this server lends to the pool)."
+                "This server's name in the pool, which Mooncake names its segment after (adding "
+                "a free port unless it ends in :port); other clients connect to "
+                "MC_TCP_BIND_ADDRESS, else to the address the client finds on this host."
             ),
         ),
     ] = "127.0.0.1"
