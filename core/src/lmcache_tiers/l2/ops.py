@@ -318,8 +318,9 @@ def _size_from_report(
     state.count("lookup_size_unknown")
     state.burst.warn(
         "lookup_size_unknown",
-        "%s: %s found but its L1 size is unknown (the serde chain changes sizes and the "
-        "backend reported only the stored size); treated as a miss",
+        "%s: %s found but its L1 size is unknown (the serde chain changes sizes, the "
+        "backend reported only the stored size, and it is not the size accounted here: "
+        "first seen, or stored again since, by another server perhaps); treated as a miss",
         state.name,
         key.file_stem(),
     )
