@@ -16,12 +16,17 @@ def test_lmcache_s_critical_level_is_taken(
     value: str, level: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     package = logging.getLogger("lmcache_tiers")
-    before = package.level
+    # configure_logging sets the level of every plugin package's logger too: all are put
+    # back, or the tests after this one in the process log nothing under CRITICAL.
+    loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)]
+    before = {logger: logger.level for logger in [*loggers, package]}
     monkeypatch.setenv("LMCACHE_LOG_LEVEL", value)
     try:
         with caplog.at_level(logging.DEBUG):
             configure_logging()
             assert package.level == level
     finally:
-        package.setLevel(before)
+        for name in list(logging.Logger.manager.loggerDict):
+            logger = logging.getLogger(name)
+            logger.setLevel(before.get(logger, logging.NOTSET))  # one made by it: as made
     assert "LMCACHE_LOG_LEVEL" not in caplog.text
