@@ -8,16 +8,16 @@ apart; a server restarted while the other runs finds what the store holds."""
 
 from __future__ import annotations
 
-import importlib.util
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
+from shared_stores import STARTERS, SharedStore
 from tiers_e2e import ServerProcess, digest, make_keys, make_payloads, start_server
 
 from lmcache_tiers.client import Client
@@ -35,37 +35,8 @@ EVICTION_WAIT_S = 30.0
 TRIGGER_WATERMARK = 0.8
 
 
-#: an adapter object without capacity, and the environment the servers need to reach it
-SharedStore = tuple[dict[str, Any], dict[str, str]]
-
-
-def _redis_store(tmp_path: Path, stack: ExitStack) -> SharedStore:
-    if importlib.util.find_spec("lmcache_plugin_redis") is None:
-        pytest.skip("lmcache-plugin-redis is not installed")
-    from lmcache_plugin_redis.testing import RedisServer, missing_reason
-
-    reason = missing_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    server = RedisServer(tmp_path / "redis").start()
-    stack.callback(server.stop)
-    return {"type": "redis", "url": server.url}, {}
-
-
-def _s3_store(tmp_path: Path, stack: ExitStack) -> SharedStore:
-    if importlib.util.find_spec("lmcache_plugin_s3") is None:
-        pytest.skip("lmcache-plugin-s3 is not installed")
-    from lmcache_tiers.testing.seaweedfs import serving
-
-    seaweed = stack.enter_context(serving(tmp_path / "seaweedfs", buckets=["shared"]))
-    adapter = {"type": "s3", "bucket": "shared", "endpoint_url": seaweed.endpoint}
-    return adapter, seaweed.env
-
-
-STORES: dict[str, Callable[[Path, ExitStack], SharedStore]] = {
-    "redis": _redis_store,
-    "s3": _s3_store,
-}
+#: the stores whose shared eviction these tests run
+STORES = {kind: STARTERS[kind] for kind in ("redis", "s3")}
 
 #: the adapter field naming each test's own part of the store, and the separator after it
 NAMESPACE_FIELD = {"redis": ("key_prefix", ":"), "s3": ("prefix", "")}

@@ -13,13 +13,14 @@ import os
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from shared_stores import STARTERS, SharedStore
 from tiers_e2e import ServerProcess, digest, fetch, make_keys, metric, start_server
 
 from lmcache_tiers.client import Client
@@ -34,53 +35,7 @@ COUNT = 6
 #: a bound against hangs only; nothing asserts on timing
 HANG_GUARD_S = 60.0
 
-#: an adapter object without serde, and the environment the servers need to reach it
-SharedStore = tuple[dict[str, Any], dict[str, str]]
-
-
-def _redis_store(tmp_path: Path, stack: ExitStack) -> SharedStore:
-    if importlib.util.find_spec("lmcache_plugin_redis") is None:
-        pytest.skip("lmcache-plugin-redis is not installed")
-    from lmcache_plugin_redis.testing import RedisServer, missing_reason
-
-    reason = missing_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    server = RedisServer(tmp_path / "redis").start()
-    stack.callback(server.stop)
-    return {"type": "redis", "url": server.url}, {}
-
-
-def _s3_store(tmp_path: Path, stack: ExitStack) -> SharedStore:
-    if importlib.util.find_spec("lmcache_plugin_s3") is None:
-        pytest.skip("lmcache-plugin-s3 is not installed")
-    from lmcache_tiers.testing.seaweedfs import serving
-
-    seaweed = stack.enter_context(serving(tmp_path / "seaweedfs", buckets=["shared"]))
-    return {"type": "s3", "bucket": "shared", "endpoint_url": seaweed.endpoint}, seaweed.env
-
-
-def _mooncake_store(tmp_path: Path, stack: ExitStack) -> SharedStore:
-    if importlib.util.find_spec("lmcache_plugin_mooncake") is None:
-        pytest.skip("lmcache-plugin-mooncake is not installed")
-    from lmcache_plugin_mooncake.cluster import LocalCluster, unavailable_reason
-
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    cluster = LocalCluster(tmp_path)
-    stack.callback(cluster.stop)
-    cluster.start()
-    cluster.add_segment_host("256MB")
-    # The servers' Mooncake clients use the loopback address.
-    return cluster.adapter(), {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
-
-
-STORES: dict[str, Callable[[Path, ExitStack], SharedStore]] = {
-    "mooncake": _mooncake_store,
-    "redis": _redis_store,
-    "s3": _s3_store,
-}
+STORES = STARTERS
 #: the adapter field naming each test's own part of the store
 NAMESPACE_FIELD = {"mooncake": "key_prefix", "redis": "key_prefix", "s3": "prefix"}
 NAMESPACE_END = {"mooncake": "/", "redis": ":", "s3": "/"}
