@@ -13,16 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import zmq
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.testing.ports import free_ports
+from lmcache_tiers.testing.routing_ids import identities_claimed
 from lmcache_tiers.wire import protocol as p
-
-#: where an unseeded C library's rand() starts libzmq's numbering: the first ROUTER made
-#: in a process hands out 006b8b4567 first, and a server makes only a few connections
-UNSEEDED_START = 0x6B8B4567
-CLAIMED = 256
 
 
 @pytest.fixture
@@ -56,23 +51,8 @@ def test_a_peer_holding_the_identities_libzmq_hands_out_next_does_not_kill_the_s
     served: tuple[str, subprocess.Popen[bytes]],
 ) -> None:
     url, process = served
-    context = zmq.Context()
-    claimed = []
-    try:
-        for number in range(UNSEEDED_START, UNSEEDED_START + CLAIMED):
-            sock = context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.ROUTING_ID, b"\x00" + number.to_bytes(4, "big"))
-            sock.connect(url)
-            claimed.append(sock)
-        for sock in claimed:  # each connected: answered, or turned away as a duplicate
-            sock.send(p.encode(p.Ping(1, "")))
-            sock.poll(2000)
+    with identities_claimed(url, [p.encode(p.Ping(1, ""))]):
         for _ in range(8):  # ordinary clients, numbered by libzmq
             with Client(url, timeout=20) as client:
                 client.ping()
         assert process.poll() is None
-    finally:
-        for sock in claimed:
-            sock.close(0)
-        context.term()

@@ -13,15 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import zmq
 from mpclient import MPClient
 
 from lmcache_tiers.testing.ports import free_ports
-
-#: where an unseeded C library's rand() starts libzmq's numbering: the first ROUTER made
-#: in a process hands out 006b8b4567 first, and the server makes a few
-UNSEEDED_START = 0x6B8B4567
-CLAIMED = 256
+from lmcache_tiers.testing.routing_ids import identities_claimed
 
 
 @pytest.fixture
@@ -56,23 +51,8 @@ def test_a_peer_holding_the_identities_libzmq_hands_out_next_does_not_kill_the_s
     served: tuple[str, subprocess.Popen[bytes]],
 ) -> None:
     url, process = served
-    context = zmq.Context()
-    claimed = []
-    try:
-        for number in range(UNSEEDED_START, UNSEEDED_START + CLAIMED):
-            sock = context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.ROUTING_ID, b"\x00" + number.to_bytes(4, "big"))
-            sock.connect(url)
-            claimed.append(sock)
-        for sock in claimed:  # each connected: answered, or turned away as a duplicate
-            sock.send_multipart([b"\x00", b"\x18"])  # uid 0, noop
-            sock.poll(2000)
+    with identities_claimed(url, [b"\x00", b"\x18"]):  # uid 0, noop
         for _ in range(8):  # ordinary clients, numbered by libzmq
             with MPClient(url, timeout_ms=20_000) as client:
                 assert client.call("noop") == "OK"
         assert process.poll() is None
-    finally:
-        for sock in claimed:
-            sock.close(0)
-        context.term()
