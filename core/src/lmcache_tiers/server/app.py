@@ -47,12 +47,13 @@ from lmcache_tiers.close_steps import logged_close_failure
 from lmcache_tiers.config import ServerConfig, default_frontends, redact_url_secrets
 from lmcache_tiers.endpoints import is_loopback
 from lmcache_tiers.errors import ConfigError, SettingRefused, TiersError
-from lmcache_tiers.frontend import Frontend, FrontendStats, check_frontends, create_frontend, merged_stats
+from lmcache_tiers.frontend import Frontend, FrontendStats, check_frontends, create_frontend
 from lmcache_tiers.l2.scan_progress import watch_scans
 from lmcache_tiers.registry import ComponentRegistry, Kind
 from lmcache_tiers.server.banner import start_banner, stop_summary
 from lmcache_tiers.server.console import ServeConsole
 from lmcache_tiers.server.flush import ABANDONED_FAILURES, flush_l2, pending_l2_stores
+from lmcache_tiers.server.frontend_totals import HeldFrontendTotals
 from lmcache_tiers.server.heap import start_up_heap_frozen
 from lmcache_tiers.server.http import HttpEndpoint
 from lmcache_tiers.server.logs import configure_logging
@@ -228,6 +229,10 @@ class TiersServer:
         self.http: HttpEndpoint | None = None
         self._thread_crashes: ThreadCrashes | None = None  # installed once built
         self._collector: TiersCollector | None = None  # what /metrics counts itself
+        # the front ends' sum for /status, /metrics and the stop's summary: a front end
+        # whose stats() fails for a read adds the counters it last reported, so no total
+        # falls back silently (/status names it under frontend_stats_held)
+        self._frontend_totals = HeldFrontendTotals(self.frontend_stats)
         self.frontends: list[Frontend] = []
         self._wake_read = self._wake_write = -1
         # Nothing between the storage and the cleanup below: a stop signal raises where
@@ -264,6 +269,7 @@ class TiersServer:
                     failed_plugins=self.failed_plugins,
                     stale_segments_removed=len(self.stale_segments_removed),
                     stale_segments_kept=len(self.stale_segments_kept),
+                    totals=self._frontend_totals,
                 )
                 metrics = build_registry(self.frontend_stats, self.storage_status, self._collector)
                 http_host = config.metrics_host
@@ -336,6 +342,7 @@ class TiersServer:
 
     def status(self) -> dict[str, Any]:
         """The ``/status`` document (also the native STATUS reply)."""
+        totals = self._frontend_totals.read()
         l1 = self.storage.l1
         shm = l1.arena.name if l1.is_memory and not self.config.no_shm else None
         pages = l1.arena.pages if l1.is_memory else None
@@ -354,7 +361,10 @@ class TiersServer:
             "plugins_failed_to_load": dict(self.failed_plugins),
             "l1_stale_segments_removed": list(self.stale_segments_removed),
             "l1_stale_segments_kept": list(self.stale_segments_kept),
-            **merged_stats(stats for _, stats in self.frontend_stats()).snapshot(),
+            **totals.total.snapshot(),
+            # front ends whose stats() could not be read now: their counters in the sums
+            # above are the ones they last reported
+            "frontend_stats_held": totals.held,
         }
         frontends = [self._frontend_status(frontend) for frontend in self.frontends]
         return {"server": server, "frontends": frontends, **self.storage_status()}
@@ -470,7 +480,7 @@ class TiersServer:
         abandons it), release everything; returns a summary."""
         self._close_frontends()
         try:
-            stats = merged_stats(part for _, part in self.frontend_stats())
+            stats = self._frontend_totals.read().total
             before = self.storage.status()
             pending = pending_l2_stores(self.storage)
             flushed = flush_l2(self.storage, self.drain_timeout_s, lambda: self._force_reason, console)

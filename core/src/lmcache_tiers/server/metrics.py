@@ -20,7 +20,8 @@ from prometheus_client.registry import Collector
 
 from lmcache_tiers import __version__
 from lmcache_tiers.burst import BurstLog
-from lmcache_tiers.frontend import FrontendStats, merged_stats
+from lmcache_tiers.frontend import FrontendStats
+from lmcache_tiers.server.frontend_totals import FrontendStatsProvider, HeldFrontendTotals
 from lmcache_tiers.storage_status import MAX_STATUS_STATS
 
 PREFIX = "lmcache_tiers"
@@ -67,14 +68,6 @@ def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricF
     return GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=labels)
 
 
-#: each front end's name and counters
-FrontendStatsProvider = Callable[[], list[tuple[str, FrontendStats]]]
-
-#: the gauges among a front end's stats: what it last reported of them is not held for a
-#: scrape that cannot read it (a gauge may fall; holding it would show work long done)
-_FRONTEND_GAUGES = ("pending_prefetches", "reserved_stores", "locked_keys", "pool_tasks", "sessions")
-
-
 class TiersCollector(Collector):
     def __init__(
         self,
@@ -84,8 +77,12 @@ class TiersCollector(Collector):
         failed_plugins: Mapping[str, str] | None = None,
         stale_segments_removed: int = 0,
         stale_segments_kept: int = 0,
+        totals: HeldFrontendTotals | None = None,
     ) -> None:
         self.frontends = frontends
+        # the sum over front ends, holding the counters of one that cannot be read now
+        # (shared with /status by the server, so both hold the same values)
+        self._totals = totals if totals is not None else HeldFrontendTotals(frontends)
         self.storage_status = storage_status
         # fixed at start-up: the installed plugins serve started without (import or
         # registration raised); what they failed with is in /status and the start-up warning
@@ -101,10 +98,6 @@ class TiersCollector(Collector):
         self._stats_left_out: Counter[str] = Counter()
         # the collector's own: one per module would let one server's lines hide another's
         self._unexported_stats = BurstLog(logging.getLogger(__name__), UNEXPORTED_STAT)
-        # per front end, the counters of its last readable stats(); the lock also orders
-        # the reads of concurrent scrapes with their copies, so the copy kept is the newest
-        self._frontends_lock = threading.Lock()
-        self._last_read: dict[str, FrontendStats] = {}
 
     def own_failures(self) -> dict[str, int]:
         """Failures of the scrapes themselves, by reason (also in ``failures_total``)."""
@@ -222,16 +215,8 @@ class TiersCollector(Collector):
         (the provider leaves it out) adds the counters it last reported to that sum, not
         its gauges: without them every such counter would fall for the scrape -- a reset
         to Prometheus, and its return that front end's whole count again in ``rate()``."""
-        with self._frontends_lock:
-            per_frontend = self.frontends()
-            for name, part in per_frontend:
-                kept = merged_stats([part])  # a copy: the front end goes on counting
-                for gauge in _FRONTEND_GAUGES:
-                    setattr(kept, gauge, 0)
-                self._last_read[name] = kept
-            read = {name for name, _ in per_frontend}
-            held = [part for name, part in self._last_read.items() if name not in read]
-        return per_frontend, merged_stats([*(part for _, part in per_frontend), *held])
+        readable, total, _ = self._totals.read()
+        return readable, total
 
     def _adapters(self, adapters: list[dict[str, Any]]) -> Iterator[Any]:
         """Per-adapter families.  An adapter whose usage or stats could not be read has
