@@ -794,8 +794,16 @@ class PrefetchController(ControllerThread):
     # -- shutdown ------------------------------------------------------------------------
 
     def _cancel_queued(self) -> None:
-        for request in self._handles.take_queued():
+        """Answer the requests still queued at the stop with 0 hits.  Each is a lookup
+        the stop turned into a miss, counted as the running ones given up are."""
+        cancelled = self._handles.take_queued()
+        for request in cancelled:
             self._drop_queued(request)
+        if cancelled:
+            self.stats.fail("prefetch_abandoned", len(cancelled))
+            logger.warning(
+                "%d queued prefetch requests abandoned at the stop (prefetch_abandoned)", len(cancelled)
+            )
 
     def _drop_queued(self, request: PrefetchRequest, *, publish: bool = True) -> None:
         """Release what a request that never started holds; its result is 0 hits (or none:
