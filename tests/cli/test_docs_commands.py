@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from lmcache_tiers.cli.main import build_app, command_tree
+from lmcache_tiers.cli.main import build_app, command_tree, main
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -32,20 +32,47 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"#{1,6}\s+(.*)")
 
 
+SHELL_OPERATORS = frozenset({"&", "&&", ";", "|", "||", ">", ">>", "2>", "<", "(", ")"})
+#: a shell variable set in a code block: ``A='{"type": "s3", ...}'``
+ASSIGNMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(\S.*)$")
+
+
 def _words(line: str) -> list[str] | None:
-    """The shell words of ``line`` without a trailing comment; None while a quote is open."""
+    """The shell words of ``line`` up to its first operator (``&``, ``|``, ``;``, a
+    redirection) or comment; None while a quote is open."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    words = []
     try:
-        return shlex.split(line, comments=True)
+        for word in lexer:
+            if word in SHELL_OPERATORS or word.startswith(("&", "|", ";", ">", "<")):
+                break
+            words.append(word)
     except ValueError:
         return None
+    return words
+
+
+def _joined(lines: list[str], index: int, first: str) -> tuple[str, int]:
+    """``first`` (the rest of line ``index - 1``) joined with the lines after it across
+    backslash continuations and quotes left open (a JSON value over several lines), and
+    the index of the line after it."""
+    command = first
+    while (command.rstrip().endswith("\\") or _words(command) is None) and index < len(lines):
+        if lines[index].lstrip().startswith(FENCE):
+            break
+        command = command.rstrip().removesuffix("\\") + " " + lines[index]
+        index += 1
+    return command, index
 
 
 def invocations(text: str) -> Iterator[tuple[int, list[str]]]:
-    """(line number, words after ``lmcache-tiers``) of every invocation in ``text``: code
-    blocks' lines joined across backslash continuations and quotes left open (a JSON value
-    over several lines), and inline code in prose."""
+    """(line number, words after ``lmcache-tiers``) of every invocation in ``text``: in
+    code blocks (lines joined as a shell joins them, ``$NAME`` replaced by what the block
+    set ``NAME`` to) and in inline code in prose."""
     lines = text.splitlines()
     in_block = False
+    variables: dict[str, str] = {}
     index = 0
     while index < len(lines):
         line = lines[index]
@@ -53,6 +80,7 @@ def invocations(text: str) -> Iterator[tuple[int, list[str]]]:
         index += 1
         if line.lstrip().startswith(FENCE):
             in_block = not in_block
+            variables = {}
             continue
         if not in_block:
             for inline in INLINE_COMMAND.finditer(line):
@@ -60,18 +88,18 @@ def invocations(text: str) -> Iterator[tuple[int, list[str]]]:
                 assert words is not None, f"line {start + 1}: unbalanced quotes in {inline.group(0)}"
                 yield start + 1, words
             continue
+        assigned = ASSIGNMENT.match(line)
+        if assigned is not None:
+            value, index = _joined(lines, index, assigned.group(2))
+            variables[assigned.group(1)] = " ".join(_words(value) or [])
+            continue
         found = BLOCK_COMMAND.search(line)
         if found is None or line.lstrip().startswith(("import ", "from ")):
             continue
-        command = found.group(1)
-        while (command.rstrip().endswith("\\") or _words(command) is None) and index < len(lines):
-            if lines[index].lstrip().startswith(FENCE):
-                break
-            command = command.rstrip().removesuffix("\\") + " " + lines[index]
-            index += 1
+        command, index = _joined(lines, index, found.group(1))
         words = _words(command)
         assert words is not None, f"line {start + 1}: unbalanced quotes in {command!r}"
-        yield start + 1, words
+        yield start + 1, [variables.get(word[1:], word) if word.startswith("$") else word for word in words]
 
 
 def _options(command: Any) -> set[str]:
@@ -203,3 +231,64 @@ def test_the_link_check_catches_a_moved_heading(tmp_path: Path) -> None:
         "missing.md (no such file)",
         "other.md#open-files (no such heading)",
     ]
+
+
+#: a word that stands for something the reader fills in
+PLACEHOLDER = re.compile(r"<[a-z][^>]*>|\.\.\.|\$")
+TOML_BLOCK = re.compile(r"^```toml\n(.*?)^```", re.S | re.M)
+
+
+def _decodes(args: list[str], capsys: pytest.CaptureFixture[str]) -> str | None:
+    """None when ``serve --print-config ARGS`` resolves a configuration, else its error."""
+    try:
+        main(["serve", "--print-config", *args])
+    except SystemExit as stop:
+        if stop.code not in (0, None):
+            return f"exit {stop.code}: {capsys.readouterr().err.strip()}"
+    capsys.readouterr()
+    return None
+
+
+def test_every_documented_serve_command_line_is_a_valid_configuration(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Adapter and front-end JSON, flag values: what ``serve`` would refuse before starting."""
+    monkeypatch.setenv("COLUMNS", "300")
+    monkeypatch.setenv("LMCACHE_TIERS_CACHE_DIR", str(tmp_path / "cache"))
+    checked = 0
+    refused = []
+    for path in DOCUMENTS:
+        for number, words in invocations(path.read_text()):
+            if words[:1] != ["serve"] or {"-h", "--help"} & set(words):
+                continue
+            if any(PLACEHOLDER.search(word) for word in words):
+                continue
+            checked += 1
+            error = _decodes([word for word in words[1:] if word != "--print-config"], capsys)
+            if error is not None:
+                refused.append(f"{path.relative_to(ROOT)}:{number}: {error}")
+    assert refused == []
+    assert checked >= 20
+
+
+def test_every_documented_toml_configuration_is_valid(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("LMCACHE_TIERS_CACHE_DIR", str(tmp_path / "cache"))
+    checked = 0
+    refused = []
+    for path in DOCUMENTS:
+        text = path.read_text()
+        for block in TOML_BLOCK.finditer(text):
+            if "[project" in block.group(1) or PLACEHOLDER.search(block.group(1)):
+                continue  # a package's metadata, not a server's configuration
+            config = tmp_path / f"{checked}.toml"
+            config.write_text(block.group(1))
+            checked += 1
+            error = _decodes(["--config", str(config)], capsys)
+            if error is not None:
+                refused.append(
+                    f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, block.start()) + 1}: {error}"
+                )
+    assert refused == []
+    assert checked >= 2
