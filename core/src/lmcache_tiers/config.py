@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import select
+import stat
 import sys
+import time
 import typing
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any
@@ -729,16 +733,25 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-#: the largest ``--config`` file read (a real one is a few KiB): a path such as /dev/zero or
-#: a runaway generator behind a pipe must end in an error, not in reading for ever
+#: the largest ``--config`` file read (a real one is a few KiB): a runaway generator behind
+#: a pipe must end in an error, not in reading for ever
 MAX_CONFIG_BYTES = 1 << 20
+#: how long a pipe given as ``--config`` (``<(generate-config)``) may take to deliver its
+#: whole content: a writer that holds it open without ending would hold start-up for ever
+CONFIG_PIPE_WAIT_S = 10.0
+
+#: what the kinds of file a config cannot be are called in its refusal
+_NOT_A_FILE = {
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
 
 
 def load_toml(path: str) -> dict[str, Any]:
     """Read a ``--config`` TOML file into a plain dict."""
     try:
-        with open(path, "rb") as handle:
-            content = handle.read(MAX_CONFIG_BYTES + 1)
+        content = _config_bytes(path)
         if len(content) > MAX_CONFIG_BYTES:
             raise ConfigError(
                 f"config file {path!r} is larger than {MAX_CONFIG_BYTES >> 20} MiB; it is not a config file"
@@ -763,6 +776,78 @@ def load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(
             f"config file {path!r} is not valid TOML: its values are nested too deeply"
         ) from None
+
+
+def _config_bytes(path: str) -> bytes:
+    """Up to ``MAX_CONFIG_BYTES + 1`` bytes of a regular file or a pipe.  Anything else is
+    refused before it is opened: opening a device may act on it (a tape rewinds, a
+    terminal waits for typing), and /dev/null would read as an empty config."""
+    kind = stat.S_IFMT(os.stat(path).st_mode)
+    if kind == stat.S_IFDIR:
+        raise IsADirectoryError(path)
+    if kind not in (stat.S_IFREG, stat.S_IFIFO):
+        what = _NOT_A_FILE.get(kind, "not a regular file")
+        raise ConfigError(f"config file {path!r} is {what}, not a file; give the path of a TOML file")
+    # Not blocking: a FIFO nobody has open for writing would block the open itself for ever.
+    with open(path, "rb", buffering=0, opener=_open_without_waiting) as handle:
+        fd = handle.fileno()
+        opened = stat.S_IFMT(os.fstat(fd).st_mode)
+        if opened == stat.S_IFREG:
+            os.set_blocking(fd, True)
+            return _read_up_to(fd, MAX_CONFIG_BYTES + 1)
+        if opened == stat.S_IFIFO:
+            return _pipe_bytes(path, fd)
+    # replaced by something else between the two looks
+    raise ConfigError(f"config file {path!r} changed while it was opened; give the path of a TOML file")
+
+
+def _open_without_waiting(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NONBLOCK | os.O_NOCTTY)
+
+
+def _read_up_to(fd: int, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while size < limit:
+        chunk = os.read(fd, limit - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+def _pipe_bytes(path: str, fd: int) -> bytes:
+    """A pipe's content up to its end (its writer closing it), within CONFIG_PIPE_WAIT_S."""
+    deadline = time.monotonic() + CONFIG_PIPE_WAIT_S
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    chunks: list[bytes] = []
+    size = 0
+    while size <= MAX_CONFIG_BYTES:
+        try:
+            chunk = os.read(fd, MAX_CONFIG_BYTES + 1 - size)
+        except BlockingIOError:  # a writer has it open and has not written yet
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ConfigError(
+                    f"config file {path!r} is a pipe its writer did not finish within "
+                    f"{CONFIG_PIPE_WAIT_S:g} s; serve reads --config once, at start"
+                ) from None
+            poller.poll(max(1, math.ceil(left * 1000)))
+            continue
+        if not chunk:  # no writer has it open (any more)
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    if not chunks:
+        # Linux reads the end at once from a FIFO no process has open for writing: waiting
+        # would be for a writer that may never come.
+        raise ConfigError(
+            f"config file {path!r} is a FIFO or pipe with nothing written to it and no writer; "
+            "give the path of a TOML file, or start what writes it first"
+        )
+    return b"".join(chunks)
 
 
 def file_fields(file_values: Mapping[str, Any]) -> dict[str, Any]:
