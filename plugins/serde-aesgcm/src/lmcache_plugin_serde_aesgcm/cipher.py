@@ -7,7 +7,9 @@ Frame layout (version 3; version 2 is the same bytes)::
 
 Version 2 frames (the chain not bound) and version 1 frames (no layout either; the u16
 was reserved, 0) are still read unless ``read_unbound_frames`` is false, version 1 only
-where its record states no layout.
+where its record states no layout.  A version after 3 is a newer release's frame or a
+damaged one (``newer_frames``), unless the frame authenticates with one of this release's
+versions put back in its version byte: then it is proven damaged (``corrupt_frames``).
 
 Keys.  Nothing is encrypted under the configured master key itself.  Each frame is
 encrypted under ``HKDF-SHA256(master, salt=epoch, info=label [+ cache_salt])``: ``epoch``
@@ -217,12 +219,7 @@ class AesGcmSerde:
             self._refuse("corrupt_frames", context, f"{view.nbytes} bytes is shorter than an aesgcm frame")
         magic, version, flags, layout_length, key_check, epoch, nonce = _HEADER.unpack_from(view)
         if magic == MAGIC and version > VERSION:
-            self._refuse(
-                "newer_frames",
-                context,
-                f"a version {version} frame, written by a newer release (this one reads versions "
-                f"1 to {VERSION}); a miss here until stored again, kept for the servers that read it",
-            )
+            self._refuse_unknown_version(view, context, version)
         if magic != MAGIC or version not in (VERSION, *_UNBOUND_VERSIONS):
             self._refuse(
                 "corrupt_frames",
@@ -286,6 +283,62 @@ class AesGcmSerde:
             # Read as before version 3: its record's chain could have been rewritten around it.
             self._count("unbound_frames_read")
         return memoryview(plaintext)
+
+    def _refuse_unknown_version(self, view: memoryview, context: SerdeContext, version: int) -> NoReturn:
+        """A version after this release's: a newer release's frame, or one of this release's
+        whose version byte was damaged.  The version byte is authenticated, so a frame that
+        authenticates with a version this release writes in its place is proven damaged
+        (``corrupt_frames``); any other cannot be told from a newer format, whose header and
+        associated data this release does not know, and is said to be either."""
+        original = self._version_it_authenticates_as(view, context)
+        if original is not None:
+            self._refuse(
+                "corrupt_frames",
+                context,
+                f"a version {original} frame whose version byte is damaged (it reads {version}): "
+                f"it authenticates only with {original} in its place",
+            )
+        self._refuse(
+            "newer_frames",
+            context,
+            f"a version {version} frame, written by a newer release or damaged (this one reads "
+            f"versions 1 to {VERSION}, and the frame does not authenticate as one of them); a "
+            f"miss here until stored again, kept for the servers that read it",
+        )
+
+    def _version_it_authenticates_as(self, view: memoryview, context: SerdeContext) -> int | None:
+        """The version of this release's formats under which the frame, its version byte put
+        back to it, authenticates; None when none does or the rest of its header is not one
+        of this release's (unknown flags, layout length or key)."""
+        _, _, flags, layout_length, key_check, epoch, nonce = _HEADER.unpack_from(view)
+        start = HEADER_SIZE + layout_length
+        if (
+            flags & ~FLAG_PER_SALT
+            or layout_length > MAX_LAYOUT_LEN
+            or view.nbytes < start + TAG_SIZE
+            or key_check not in self.__masters
+        ):
+            return None
+        cipher = self._cipher(key_check, epoch, context.key.cache_salt if flags & FLAG_PER_SALT else None)
+        header = bytearray(view[:HEADER_SIZE])
+        layout = view[HEADER_SIZE:start]
+        length = view.nbytes - start - TAG_SIZE
+        scratch = bytearray(length)
+        for candidate in (VERSION, *_UNBOUND_VERSIONS):
+            if candidate == VERSION_NO_LAYOUT and layout_length:
+                continue
+            header[len(MAGIC)] = candidate  # the version byte follows the magic
+            try:
+                cipher.decrypt_into(
+                    nonce,
+                    view[start:],
+                    _associated_data(bytes(header), layout, length, context, candidate),
+                    memoryview(scratch),
+                )
+            except InvalidTag:
+                continue
+            return candidate
+        return None
 
     def stats(self) -> dict[str, int]:
         """Objects encrypted and decrypted, refusals by reason, key epochs started."""
