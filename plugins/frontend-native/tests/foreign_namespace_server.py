@@ -17,9 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from native_fence_support import SHORT_TTL
 from native_keys import leases_of
 from native_stop import wait_for
-from test_write_fence import SHORT_TTL
 from test_writer_kernel_pid import MAPPER, arena_path, end, says, start
 
 from lmcache_tiers.testing.server import ServerHarness

@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 
 import pytest
+from native_fence_support import CHUNK, CuttableLink, drop_before_copy, outlive_write_ttl, read
 from native_keys import keys_of, leases_of, stats_of
-from test_write_fence import CHUNK, CuttableLink, drop_before_copy, outlive_write_ttl, read
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.server.app import TiersServer

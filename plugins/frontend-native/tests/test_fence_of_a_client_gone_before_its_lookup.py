@@ -21,9 +21,9 @@ from contextlib import ExitStack
 from typing import Any
 
 import pytest
+from native_fence_support import CHUNK, SHORT_TTL
 from native_keys import leases_of
 from native_stop import wait_for
-from test_write_fence import CHUNK, SHORT_TTL
 from test_writer_kernel_pid import end, says, start, sweeps_after_now
 
 from lmcache_tiers.server.app import TiersServer

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from lmcache_plugin_frontend_native.writers import WriterProcesses
-from test_write_fence import CHUNK
+from native_fence_support import CHUNK
 from test_writer_kernel_pid import LYING_WRITER, MAPPER, end, says, start
 
 from lmcache_tiers.plugin import PeerSocket, PeerWatch

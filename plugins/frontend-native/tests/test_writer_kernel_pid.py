@@ -18,9 +18,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from native_fence_support import CHUNK, SHORT_TTL
 from native_keys import leases_of
 from native_stop import wait_for
-from test_write_fence import CHUNK, SHORT_TTL
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.keys import ObjectKey
@@ -144,7 +144,7 @@ OLDER_CLIENT_DROPPED = """
 import sys
 sys.path.insert(0, sys.argv[2])
 import pytest
-from test_write_fence import CHUNK, CuttableLink, drop_before_copy
+from native_fence_support import CHUNK, CuttableLink, drop_before_copy
 from lmcache_tiers.client import Client
 from lmcache_tiers.keys import ObjectKey
 link = CuttableLink(sys.argv[1])

@@ -18,9 +18,9 @@ import time
 from typing import Any
 
 import pytest
+from native_fence_support import SHORT_TTL
 from native_keys import leases_of
 from native_stop import wait_for
-from test_write_fence import SHORT_TTL
 from test_writer_kernel_pid import (
     MAPPER,
     arena_path,
