@@ -1,0 +1,430 @@
+"""An L2 store that lies: records damaged, emptied, zeroed, torn or copied under another
+key behind a real server's back, for every adapter whose stored objects a test can reach
+(fs, nixl POSIX files, redis, s3).  Each such read must be a miss, counted and logged,
+and the key must be storable again -- never bytes other than those stored for the key."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+from shared_stores import STARTERS
+from tiers_e2e import ServerProcess, digest, fetch, make_keys, make_payloads, start_server
+
+from lmcache_tiers.client import Client
+from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.l2.record import PREFIX_SIZE, RecordError, decode_header
+
+CHUNK = 64 << 10
+#: the adapter stats a refused record is counted under
+REFUSAL_COUNTERS = ("corrupt_records_removed", "truncated_records_removed", "foreign_records")
+
+
+class Objects:
+    """The raw objects of one store, reached without the server."""
+
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def read(self, name: str) -> bytes:
+        raise NotImplementedError
+
+    def write(self, name: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def find(self, key: ObjectKey) -> str:
+        """The name of the object holding ``key``'s intact record."""
+        for name in self.names():
+            try:
+                decode_header(self.read(name), expected_key=key)
+            except RecordError:
+                continue
+            return name
+        raise AssertionError(f"no record of {key.file_stem()} in the store")
+
+
+class FileObjects(Objects):
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def names(self) -> list[str]:
+        return [str(path) for path in self.root.rglob("*") if path.is_file() and path.suffix == ".bin"]
+
+    def read(self, name: str) -> bytes:
+        return Path(name).read_bytes()
+
+    def write(self, name: str, data: bytes) -> None:
+        Path(name).write_bytes(data)
+
+
+class RedisObjects(Objects):
+    def __init__(self, url: str) -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(url)
+
+    def names(self) -> list[str]:
+        return [name.decode() for name in self.client.scan_iter(count=1000)]
+
+    def read(self, name: str) -> bytes:
+        value = self.client.get(name)
+        assert isinstance(value, bytes)
+        return value
+
+    def write(self, name: str, data: bytes) -> None:
+        self.client.set(name, data)
+
+
+class S3Objects(Objects):
+    """Objects rewritten with the user metadata they had (what a writer that copies an
+    object's metadata, or one that changes its bytes in place, leaves)."""
+
+    def __init__(self, adapter: dict[str, Any], env: dict[str, str]) -> None:
+        import botocore.session
+
+        self.bucket = adapter["bucket"]
+        self.client = botocore.session.get_session().create_client(
+            "s3",
+            endpoint_url=adapter["endpoint_url"],
+            region_name="us-east-1",
+            aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        )
+
+    def names(self) -> list[str]:
+        listing = self.client.list_objects_v2(Bucket=self.bucket)
+        return [entry["Key"] for entry in listing.get("Contents", [])]
+
+    def read(self, name: str) -> bytes:
+        body: bytes = self.client.get_object(Bucket=self.bucket, Key=name)["Body"].read()
+        return body
+
+    def write(self, name: str, data: bytes) -> None:
+        metadata = self.client.head_object(Bucket=self.bucket, Key=name)["Metadata"]
+        self.client.put_object(Bucket=self.bucket, Key=name, Body=data, Metadata=metadata)
+
+
+class MooncakeObjects(Objects):
+    """Objects of a Mooncake pool, through a plain client of its own (an object is
+    immutable there: a rewrite removes it and puts the new bytes)."""
+
+    def __init__(self, cluster: Any) -> None:
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        from mooncake.store import MooncakeDistributedStore
+
+        self.cluster = cluster
+        self.client = MooncakeDistributedStore()
+        code = self.client.setup(
+            "127.0.0.1", cluster.metadata_server, 0, 16 << 20, "tcp", "", cluster.master_server_address
+        )
+        assert code == 0, f"Mooncake client set-up returned {code}"
+
+    def names(self) -> list[str]:
+        return list(self.cluster.keys())
+
+    def read(self, name: str) -> bytes:
+        return bytes(self.client.get(name))
+
+    def write(self, name: str, data: bytes) -> None:
+        assert self.client.remove(name, True) == 0
+        if data:  # Mooncake refuses an empty object: emptied is removed
+            assert self.client.put(name, data) == 0
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# -- the damage ----------------------------------------------------------------------------
+
+
+def _flip(data: bytes, at: int) -> bytes:
+    out = bytearray(data)
+    out[at] ^= 0x10
+    return bytes(out)
+
+
+def _header_len(data: bytes) -> int:
+    return int.from_bytes(data[8:12], "little")
+
+
+#: each damage: (name, how it turns the key's record and another key's record into what the
+#: store holds under the key's name)
+DAMAGE: list[tuple[str, Callable[[bytes, bytes], bytes]]] = [
+    ("payload bit", lambda own, other: _flip(own, _header_len(own) + (len(own) - _header_len(own)) // 2)),
+    ("last payload bit", lambda own, other: _flip(own, len(own) - 1)),
+    ("header checksum bit", lambda own, other: _flip(own, 40)),
+    ("header magic bit", lambda own, other: _flip(own, 1)),
+    ("payload length", lambda own, other: _flip(own, 13)),
+    ("header length", lambda own, other: _flip(own, 9)),
+    ("header crc bit", lambda own, other: _flip(own, _header_len(own) - 2)),
+    ("truncated", lambda own, other: own[:-100]),
+    ("truncated to the header", lambda own, other: own[: _header_len(own)]),
+    ("truncated in the prefix", lambda own, other: own[: PREFIX_SIZE // 2]),
+    ("extended", lambda own, other: own + bytes(100)),
+    ("extended by a chunk", lambda own, other: own + own[_header_len(own) :]),
+    ("emptied", lambda own, other: b""),
+    ("zeroed", lambda own, other: bytes(len(own))),
+    (
+        "torn: header and half the payload of its own, the rest another key's",
+        lambda own, other: (
+            own[: (len(own) + _header_len(own)) // 2] + other[(len(other) + _header_len(other)) // 2 :]
+        ),
+    ),
+    ("another key's record", lambda own, other: other),
+    (
+        "another key's header, its own payload",
+        lambda own, other: other[: _header_len(other)] + own[_header_len(own) :],
+    ),
+]
+
+
+#: damages that append bytes behind an intact record
+EXTENDED = {"extended", "extended by a chunk"}
+
+
+# -- stores --------------------------------------------------------------------------------
+
+
+def _fs(tmp_path: Path, stack: ExitStack) -> tuple[dict[str, Any], dict[str, str], Objects]:
+    if importlib.util.find_spec("lmcache_plugin_fs") is None:
+        pytest.skip("lmcache-plugin-fs is not installed")
+    root = tmp_path / "fs-l2"
+    return {"type": "fs", "path": str(root), "shard_dirs": True}, {}, FileObjects(root)
+
+
+def _nixl(tmp_path: Path, stack: ExitStack) -> tuple[dict[str, Any], dict[str, str], Objects]:
+    if importlib.util.find_spec("lmcache_plugin_nixl") is None:
+        pytest.skip("lmcache-plugin-nixl is not installed")
+    root = tmp_path / "nixl-l2"
+    adapter = {
+        "type": "nixl_store_dynamic",
+        "backend": "POSIX",
+        "backend_params": {"file_path": str(root), "use_direct_io": "false", "max_capacity_gb": "1"},
+    }
+    return adapter, {}, FileObjects(root)
+
+
+def _redis(tmp_path: Path, stack: ExitStack) -> tuple[dict[str, Any], dict[str, str], Objects]:
+    adapter, env = STARTERS["redis"](tmp_path, stack)
+    return adapter, env, RedisObjects(adapter["url"])
+
+
+def _s3(tmp_path: Path, stack: ExitStack) -> tuple[dict[str, Any], dict[str, str], Objects]:
+    adapter, env = STARTERS["s3"](tmp_path, stack)
+    return adapter, env, S3Objects(adapter, env)
+
+
+def _mooncake(tmp_path: Path, stack: ExitStack) -> tuple[dict[str, Any], dict[str, str], Objects]:
+    if importlib.util.find_spec("lmcache_plugin_mooncake") is None:
+        pytest.skip("lmcache-plugin-mooncake is not installed")
+    from lmcache_plugin_mooncake.cluster import LocalCluster, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    cluster = LocalCluster(tmp_path / "mooncake")
+    stack.callback(cluster.stop)
+    cluster.start()
+    cluster.add_segment_host("256MB")
+    objects = MooncakeObjects(cluster)
+    stack.callback(objects.close)
+    return cluster.adapter(), {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}, objects
+
+
+STORES = {"fs": _fs, "mooncake": _mooncake, "nixl": _nixl, "redis": _redis, "s3": _s3}
+
+
+@pytest.fixture(params=sorted(STORES))
+def store(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[tuple[str, dict[str, Any], dict[str, str], Objects]]:
+    with ExitStack() as stack:
+        yield (request.param, *STORES[request.param](tmp_path, stack))
+
+
+def _backend(client: Client) -> dict[str, int]:
+    stats: dict[str, int] = client.status()["adapters"][0]["backend"]
+    return stats
+
+
+def _wait_stored(client: Client, count: int) -> None:
+    deadline = time.monotonic() + 60
+    while client.status()["adapters"][0]["keys_stored"] < count:
+        assert time.monotonic() < deadline, "the store controller never wrote the chunks to L2"
+        time.sleep(0.05)
+
+
+def _exported(text: str, stats: tuple[str, ...]) -> float:
+    """The sum of the adapter stats ``stats`` as /metrics exports them."""
+    total = 0.0
+    for line in text.splitlines():
+        match = re.match(r'lmcache_tiers_adapter_stat\{[^}]*stat="([a-z_]+)"[^}]*\} (\S+)$', line)
+        if match and match.group(1) in stats:
+            total += float(match.group(2))
+    return total
+
+
+def _warned_about(log: str, keys: list[ObjectKey]) -> list[str]:
+    """The keys a WARNING line of ``log`` names."""
+    warnings = [line for line in log.splitlines() if " WARNING " in line]
+    return [key.file_stem() for key in keys if any(key.file_stem() in line for line in warnings)]
+
+
+def _read_each(client: Client, keys: list[ObjectKey], expected: list[str]) -> list[bool]:
+    """Whether each key hit (alone); every hit's bytes checked against what was stored."""
+    hits = []
+    for key, want in zip(keys, expected, strict=True):
+        found = client.lookup([key])
+        if found:
+            with client.retrieve([key]) as views:
+                assert digest(views) == [want], f"{key.file_stem()}: wrong bytes handed out"
+        hits.append(bool(found))
+    return hits
+
+
+def _metrics(server: ServerProcess) -> str:
+    assert server.http_url is not None
+    status, _, body = fetch(server.http_url + "/metrics")
+    assert status == 200
+    return body
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["l1-cleared", "restarted"])
+def test_every_damaged_or_misplaced_record_is_a_counted_miss(
+    tmp_path: Path, store: tuple[str, dict[str, Any], dict[str, str], Objects], restart: bool
+) -> None:
+    store_name, adapter, env, objects = store
+    count = len(DAMAGE) + 2  # one intact key first and last
+    keys = make_keys("hostile", count)
+    payloads = make_payloads("hostile", count, CHUNK)
+    expected = digest(payloads)
+    spares = make_keys("hostile-other", 1)
+    spare_payload = make_payloads("hostile-other", 1, CHUNK)
+    server = start_server(tmp_path / "first", adapters=[adapter], env=env)
+    try:
+        with Client(server.url, timeout=60) as client:
+            assert client.store(keys + spares, payloads + spare_payload) == count + 1
+            _wait_stored(client, count + 1)
+            other = objects.read(objects.find(spares[0]))
+            names = [objects.find(key) for key in keys]
+            for (_, damage), name in zip(DAMAGE, names[1:], strict=False):
+                objects.write(name, damage(objects.read(name), other))
+            if restart:
+                assert server.stop() == 0, server.output()
+                server = start_server(tmp_path / "second", adapters=[adapter], env=env)
+            else:
+                client.clear(force=True)
+        with Client(server.url, timeout=60) as client:
+            assert client.status()["l1"]["objects"] == 0
+            # The whole sequence: the prefix up to the first damaged key, and its bytes.
+            found = client.lookup(keys)
+            assert found <= 1
+            with client.retrieve(keys[:found]) as views:
+                assert digest(views) == expected[:found]
+            hits = _read_each(client, keys, expected)
+            served = [label for (label, _), hit in zip(DAMAGE, hits[1:-1], strict=True) if hit]
+            assert hits[0] and hits[-1], "an intact record was lost"
+            # A load of a key mooncake knows reads the ranges of the record it stored
+            # (docs/adapters/mooncake.md): bytes appended behind that record are not read,
+            # and the payload handed out is the stored one, verified (checked above).
+            allowed = EXTENDED if store_name == "mooncake" and not restart else set()
+            assert set(served) <= allowed, f"damaged records served: {served}"
+            backend = _backend(client)
+            # Read again: still misses (the bad object is gone or known to be bad).
+            again = _read_each(client, keys[1:-1], expected[1:-1])
+            assert [label for (label, _), hit in zip(DAMAGE, again, strict=True) if hit] == served
+            # Stored again, each key hits with its bytes.
+            client.clear(force=True)
+            assert client.store(keys[1:-1], payloads[1:-1]) == len(DAMAGE)
+            _wait_stored(client, len(DAMAGE) + (0 if restart else count + 1))
+            client.clear(force=True)
+            assert _read_each(client, keys[1:-1], expected[1:-1]) == [True] * len(DAMAGE)
+        refused = sum(backend.get(name, 0) for name in REFUSAL_COUNTERS)
+        # Mooncake holds no empty object: "emptied" removed it, a plain miss
+        # (objects_vanished), no record to refuse.
+        removed = 1 if store_name == "mooncake" else 0
+        assert refused >= len(DAMAGE) - len(served) - removed, backend
+        assert _exported(_metrics(server), REFUSAL_COUNTERS) >= refused
+        # Repeated warnings are rate-limited: some damaged key is named, with its adapter.
+        log = (server.log_dir / "stderr.txt").read_text(errors="replace")
+        assert _warned_about(log, keys[1:-1]), log[-4000:]
+        assert f"0:{adapter['type']}" in log or adapter["type"] in log
+    finally:
+        server.stop()
+
+
+# -- stale objects: a key stored again by another server sharing the store ------------------
+
+NAMESPACE = {"mooncake": ("key_prefix", "/"), "redis": ("key_prefix", ":"), "s3": ("prefix", "/")}
+
+
+@pytest.fixture(params=sorted(STARTERS))
+def shared(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[dict[str, Any], dict[str, str]]]:
+    with ExitStack() as stack:
+        adapter, env = STARTERS[request.param](tmp_path / "store", stack)
+        field, end = NAMESPACE[request.param]
+        yield {**adapter, field: f"stale{end}"}, env
+
+
+@pytest.mark.parametrize("size", [CHUNK, CHUNK // 2, 2 * CHUNK], ids=["same-size", "smaller", "larger"])
+def test_a_key_another_server_stored_again_with_other_bytes_is_never_a_mix(
+    tmp_path: Path, shared: tuple[dict[str, Any], dict[str, str]], size: int
+) -> None:
+    """The first server accounts its records (sizes, in memory); the second stores the same
+    keys again with other bytes, of ``size``.  Every hit of the first server is then one
+    whole record -- its own bytes or the second's -- and its lookup promises no more
+    chunks than its retrieve delivers."""
+    adapter, env = shared
+    count = 6
+    keys = make_keys("stale", count)
+    mine = make_payloads("stale/first", count, CHUNK)
+    theirs = make_payloads("stale/second", count, size)
+    either = [set(pair) for pair in zip(digest(mine), digest(theirs), strict=True)]
+    first = start_server(tmp_path / "first", adapters=[adapter], env=env)
+    second = None
+    try:
+        with Client(first.url, timeout=60) as client:
+            assert client.store(keys, mine) == count
+            _wait_stored(client, count)
+        second = start_server(tmp_path / "second", adapters=[adapter], env=env)
+        with Client(second.url, timeout=60) as client:
+            client.clear(force=True)
+            # Every other key: the first server's records of the rest stay.
+            replaced = keys[1::2]
+            assert client.store(replaced, theirs[1::2]) == len(replaced)
+            _wait_stored(client, len(replaced))
+        with Client(first.url, timeout=60) as client:
+            client.clear(force=True)
+            found = client.lookup(keys)
+            with client.retrieve(keys[:found]) as views:
+                got = digest(views)
+            assert len(got) == found, "the lookup promised chunks the retrieve did not deliver"
+            for index, value in enumerate(got):
+                assert value in either[index], f"chunk {index}: neither record's bytes"
+            client.release(keys[:found])
+            client.clear(force=True)
+            hits = _read_each_of(client, keys, either)
+        print(f"first server after the second's stores: lookup {found}, hits {hits}")
+        assert hits[0::2] == [True] * len(keys[0::2]), "a record nobody replaced was lost"
+    finally:
+        for server in (first, second):
+            if server is not None:
+                assert server.stop() == 0, server.output()
+
+
+def _read_each_of(client: Client, keys: list[ObjectKey], allowed: list[set[str]]) -> list[bool]:
+    hits = []
+    for key, choices in zip(keys, allowed, strict=True):
+        found = client.lookup([key])
+        if found:
+            with client.retrieve([key]) as views:
+                assert digest(views)[0] in choices, f"{key.file_stem()}: neither record's bytes"
+        hits.append(bool(found))
+    return hits
