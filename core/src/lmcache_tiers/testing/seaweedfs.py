@@ -16,15 +16,22 @@ the outage tests of remote adapters need::
 A pytest fixture is one line around :func:`serving`, which skips the test (with the
 reason printed) where ``weed`` is not installed.
 
+With ``tls=True`` the S3 gateway serves HTTPS only, on the same port, under a certificate
+for 127.0.0.1 signed by a CA made for this server (``cryptography`` makes both; the CA's
+PEM file is :attr:`SeaweedS3.ca_path`, to hand to a client, e.g. as ``AWS_CA_BUNDLE``).
+
 Nothing here imports an S3 client: readiness is checked on the server's own HTTP
 endpoints (the S3 gateway's health check, the filer's view of each bucket).
 """
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -66,10 +73,11 @@ def _answers(
     data: bytes | None = None,
     method: str = "GET",
     timeout: float = 2.0,
+    context: ssl.SSLContext | None = None,
 ) -> bool:
     request = urllib.request.Request(url, headers=headers or {}, data=data, method=method)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as reply:
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as reply:
             return bool(200 <= reply.status < 300)
     except (urllib.error.URLError, OSError):
         return False
@@ -102,6 +110,7 @@ class SeaweedS3:
         access_key: str = ACCESS_KEY,
         secret_key: str = SECRET_KEY,
         start_timeout_s: float = 60.0,
+        tls: bool = False,
     ) -> None:
         binary = weed_binary()
         if binary is None:
@@ -116,6 +125,9 @@ class SeaweedS3:
         # Unix sockets of the filer and the gateway: short paths (108 bytes at most),
         # kept apart from other servers' (they default to /tmp/seaweedfs-*-<port>.sock).
         self._sockets = Path(tempfile.mkdtemp(prefix="weed-"))
+        self.tls = tls
+        if tls:  # made once: a restart serves the same certificate
+            _write_certificates(self._tls_dir)
         self._pick_ports()
 
     def _pick_ports(self) -> None:
@@ -126,7 +138,19 @@ class SeaweedS3:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.ports['s3.port']}"
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://127.0.0.1:{self.ports['s3.port']}"
+
+    @property
+    def ca_path(self) -> Path:
+        """The PEM file of the CA that signed the gateway's certificate (``tls=True``)."""
+        if not self.tls:
+            raise ValueError("this server serves plain HTTP: it has no CA")
+        return self._tls_dir / "ca.pem"
+
+    @property
+    def _tls_dir(self) -> Path:
+        return self._sockets / "tls"
 
     @property
     def env(self) -> dict[str, str]:
@@ -205,7 +229,14 @@ class SeaweedS3:
             "-s3.port.lance=0",
             "-master.telemetry=false",
             f"-bucket={','.join(self.buckets)}",
+            *self._tls_flags(),
         ]
+
+    def _tls_flags(self) -> list[str]:
+        # With a certificate and no -s3.port.https the gateway's one port speaks TLS only.
+        if not self.tls:
+            return []
+        return [f"-s3.cert.file={self._tls_dir / 'cert.pem'}", f"-s3.key.file={self._tls_dir / 'key.pem'}"]
 
     def _start_once(self) -> bool:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -233,7 +264,8 @@ class SeaweedS3:
         """The gateway answers, every bucket exists, and data can be written: after a
         restart the volume server takes seconds to rejoin the master, and until then
         writes stall while reads already work."""
-        if not _answers(f"{self.endpoint}/healthz"):
+        trusting = ssl.create_default_context(cafile=self.ca_path) if self.tls else None
+        if not _answers(f"{self.endpoint}/healthz", context=trusting):
             return False
         filer = f"http://127.0.0.1:{self.ports['filer.port']}"
         json = {"Accept": "application/json"}
@@ -264,3 +296,69 @@ class SeaweedS3:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+def _write_certificates(directory: Path) -> None:
+    """A CA (``ca.pem``) and a certificate for 127.0.0.1 it signed (``cert.pem``, its key
+    ``key.pem``), valid from an hour ago for a week: enough for any test session."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = now - datetime.timedelta(hours=1), now + datetime.timedelta(days=7)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "lmcache-tiers test CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False
+        )
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    directory.mkdir(mode=0o700, exist_ok=True)
+    (directory / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    (directory / "cert.pem").write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    (directory / "key.pem").write_bytes(key_pem)

@@ -31,6 +31,7 @@ import msgspec
 import s3fs
 
 from lmcache_plugin_s3.config import S3Config
+from lmcache_plugin_s3.tls_probe import speaks_tls
 from lmcache_tiers.plugin import ConfigError
 
 log = logging.getLogger("lmcache_plugin_s3")
@@ -388,9 +389,18 @@ def check_bucket(config: S3Config, name: str) -> bool:
             raise ConfigError(
                 f"{name}: {_endpoint_label(config)} failed the TLS handshake ({describe(exc)}): "
                 "check the scheme of endpoint_url (http:// for a service without TLS; "
-                "disable_tls with s3_endpoint) and that its certificate is trusted here"
+                "disable_tls with s3_endpoint) and that its certificate is trusted here "
+                "(a private CA's PEM file in AWS_CA_BUNDLE)"
             ) from exc
         except Exception as exc:
+            # A TLS-only service answers plain HTTP with a bare 400 or a closed connection,
+            # which would read as one that does not answer: every request would fail so.
+            endpoint = config.endpoint_url
+            if not config.use_tls and endpoint and speaks_tls(endpoint, config.connect_timeout_s):
+                raise ConfigError(
+                    f"{name}: {endpoint} speaks TLS, not plain HTTP ({describe(exc)}): "
+                    "use https:// in endpoint_url (with s3_endpoint, drop disable_tls)"
+                ) from exc
             log.warning(
                 "%s: %s did not answer at start-up (%s); requests fail, counted, until it does",
                 name,
