@@ -17,6 +17,7 @@ import pytest
 import lmcache_tiers.plugin as plugin_api
 from lmcache_tiers.config import parse_adapter_json
 from lmcache_tiers.plugins import load_plugins
+from lmcache_tiers.registry import Kind
 from lmcache_tiers.serde import build_serde_chain
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,3 +87,25 @@ def test_the_python_samples_import_names_that_exist() -> None:
                         wrong.append(f"{path.relative_to(ROOT)}: from {line.group(1)} import {name}")
     assert wrong == []
     assert imported >= 10
+
+
+def _documented(value: object) -> str:
+    """A default as an options table writes it: ``false``, ``20`` for 20.0, ``600``."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def test_the_lmcache_mp_options_table_gives_the_shipped_defaults() -> None:
+    registry = load_plugins().registry
+    config = registry.get(Kind.FRONTEND, "lmcache_mp").config()
+    defaults = {name: getattr(config, name) for name in config.__struct_fields__}
+    table = _section("docs/frontends/lmcache-mp.md", "## Options", "\n## ")
+    rows = {
+        found.group(1): found.group(2).strip()
+        for found in re.finditer(r"^\| `(\w+)` \| ([^|]+) \|", table, re.M)
+    }
+    assert set(rows) == set(defaults) - {"host", "port"}
+    assert {name: rows[name] for name in rows} == {name: _documented(defaults[name]) for name in rows}
