@@ -8,19 +8,22 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import struct
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 from shared_stores import STARTERS
 from tiers_e2e import ServerProcess, digest, fetch, make_keys, make_payloads, start_server
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l2.record import PREFIX_SIZE, RecordError, decode_header
+from lmcache_tiers.l2.record import PREFIX_SIZE, RecordError, decode_header, encode_header
 
 CHUNK = 64 << 10
 #: the adapter stats a refused record is counted under
@@ -428,3 +431,117 @@ def _read_each_of(client: Client, keys: list[ObjectKey], allowed: list[set[str]]
                 assert digest(views)[0] in choices, f"{key.file_stem()}: neither record's bytes"
         hits.append(bool(found))
     return hits
+
+
+# -- records a buggy writer could make: every field consistent, the header crc valid --------
+
+_CRC_AT = -4  # the header crc ends the header (lmcache_tiers.l2.record)
+
+
+def _forge(own: bytes, *, payload_len: int | None = None, sign: int | None = None, **fields: Any) -> bytes:
+    """``own`` (a record) with its header written again: ``fields`` for
+    ``encode_header``'s (``l1_size``, ``serde``, ``layout``), ``payload_len`` patched in,
+    the checksum taken over the first ``sign`` payload bytes; the header crc made valid."""
+    header = decode_header(own)
+    payload = own[header.header_len : header.header_len + header.payload_len]
+    options: dict[str, Any] = {"l1_size": header.l1_size, "serde": header.serde, "layout": header.layout}
+    options.update(fields)
+    new = bytearray(
+        encode_header(header.key, payload[: sign if sign is not None else len(payload)], **options)
+    )
+    if len(new) < header.header_len:  # keep the header's length: some stores fix it
+        new[-4:-4] = bytes(header.header_len - len(new))
+        struct.pack_into("<I", new, 8, len(new))
+    if payload_len is not None:
+        struct.pack_into("<Q", new, 12, payload_len)
+    struct.pack_into("<I", new, len(new) + _CRC_AT, zlib.crc32(bytes(new[:_CRC_AT])))
+    return bytes(new) + payload
+
+
+def _patched(record: bytes, offset: int, fmt: str, value: int) -> bytes:
+    """``record`` with one fixed header field set and its header crc made valid again."""
+    new = bytearray(record)
+    struct.pack_into(fmt, new, offset, value)
+    header_len = _header_len(record)
+    struct.pack_into("<I", new, header_len - 4, zlib.crc32(bytes(new[: header_len - 4])))
+    return bytes(new)
+
+
+def _blake3_signed(own: bytes) -> bytes:
+    """The record as a writer of checksum algorithm 1 (blake3) made it: intact."""
+    header_len = _header_len(own)
+    digest_ = blake3.blake3(own[header_len:]).digest(16)
+    new = bytearray(own)
+    new[28] = 1
+    new[32:48] = digest_
+    struct.pack_into("<I", new, header_len - 4, zlib.crc32(bytes(new[: header_len - 4])))
+    return bytes(new)
+
+
+#: each forgery: (name, what it makes of the key's record, whether it may be served)
+FORGED: list[tuple[str, Callable[[bytes], bytes], bool]] = [
+    ("checksum algorithm 1 (blake3), intact", _blake3_signed, True),
+    ("l1_size one page larger", lambda own: _forge(own, l1_size=CHUNK + 4096), False),
+    ("l1_size one byte smaller", lambda own: _forge(own, l1_size=CHUNK - 1), False),
+    ("l1_size zero", lambda own: _forge(own, l1_size=0), False),
+    ("l1_size past every L1", lambda own: _forge(own, l1_size=1 << 40), False),
+    ("another serde chain named", lambda own: _forge(own, serde=("zstd",)), False),
+    ("payload_len past the payload", lambda own: _forge(own, payload_len=CHUNK + 4096), False),
+    (
+        "signed for the first half only",
+        lambda own: _forge(own, payload_len=CHUNK // 2, sign=CHUNK // 2),
+        False,
+    ),
+    (
+        "signed for the first half, l1_size too",
+        lambda own: _forge(own, payload_len=CHUNK // 2, sign=CHUNK // 2, l1_size=CHUNK // 2),
+        False,
+    ),
+    ("format version 2", lambda own: _patched(own, 4, "<H", 2), False),
+    ("checksum algorithm 9", lambda own: _patched(own, 28, "<B", 9), False),
+    ("flags set", lambda own: _patched(own, 6, "<H", 0xFFFF), True),
+]
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["l1-cleared", "restarted"])
+def test_records_with_a_valid_header_crc_and_impossible_fields_are_misses(
+    tmp_path: Path, store: tuple[str, dict[str, Any], dict[str, str], Objects], restart: bool
+) -> None:
+    _, adapter, env, objects = store
+    count = len(FORGED) + 1
+    keys = make_keys("forged", count)
+    payloads = make_payloads("forged", count, CHUNK)
+    expected = digest(payloads)
+    server = start_server(tmp_path / "first", adapters=[adapter], env=env)
+    try:
+        with Client(server.url, timeout=60) as client:
+            assert client.store(keys, payloads) == count
+            _wait_stored(client, count)
+            for (_, forge, _), key in zip(FORGED, keys[1:], strict=True):
+                name = objects.find(key)
+                objects.write(name, forge(objects.read(name)))
+            if restart:
+                assert server.stop() == 0, server.output()
+                server = start_server(tmp_path / "second", adapters=[adapter], env=env)
+            else:
+                client.clear(force=True)
+        with Client(server.url, timeout=60) as client:
+            found = client.lookup(keys)
+            with client.retrieve(keys[:found]) as views:
+                assert digest(views) == expected[:found]
+            client.release(keys[:found])
+            client.clear(force=True)
+            hits = _read_each(client, keys, expected)
+            assert hits[0], "an intact record was lost"
+            served = {name for (name, _, _), hit in zip(FORGED, hits[1:], strict=True) if hit}
+            allowed = {name for name, _, may in FORGED if may}
+            assert served <= allowed, f"records served: {sorted(served - allowed)}"
+            # Stored again, each key hits with its bytes.
+            client.clear(force=True)
+            before = client.status()["adapters"][0]["keys_stored"]
+            assert client.store(keys[1:], payloads[1:]) == len(FORGED)
+            _wait_stored(client, before + len(FORGED) - len(served))
+            client.clear(force=True)
+            assert _read_each(client, keys[1:], expected[1:]) == [True] * len(FORGED)
+    finally:
+        server.stop()
