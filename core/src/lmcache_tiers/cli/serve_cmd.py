@@ -24,6 +24,7 @@ from lmcache_tiers.cli import lmcache_flags as compat
 from lmcache_tiers.cli.output import fail, warn
 from lmcache_tiers.cli.stop_signals import handed_over
 from lmcache_tiers.config import (
+    CONFIG_PIPE_WAIT_S,
     ServerConfig,
     build_config,
     config_to_builtins,
@@ -289,7 +290,12 @@ def make_serve(plugin_set: PluginSet) -> Callable[..., None]:
             rich_help_panel=HTTP_PANEL,
         ),
         config: Optional[str] = typer.Option(
-            None, "--config", help="TOML file with the same keys (underscored)."
+            None,
+            "--config",
+            help=(
+                "TOML file with the same keys (underscored): a regular file, or a pipe "
+                f"(<(...), /dev/stdin) its writer ends within {CONFIG_PIPE_WAIT_S:g} s."
+            ),
         ),
         print_config: bool = typer.Option(
             False, "--print-config", help="Print the resolved configuration as JSON and exit."
