@@ -9,8 +9,9 @@ class SkipL1StoreConfig(ComponentConfig):
     """Store every written object in every L2 adapter, then drop it from L1.
 
     An object leaves L1 once all its stores are done and at least one adapter holds it
-    (one being read leaves after its last reader); one no adapter stored stays in L1, and
-    its failed stores are counted.
+    (one being read leaves after its last reader). One no adapter stored is counted once
+    (``l2_store_failed``) and stays in L1 as an ordinary object: L1 eviction may take it
+    like any other, uncounted again.
 
     With eviction policy ``noop`` and prefetch policy ``default`` this is the buffer-only
     mode: L1 holds an object only until L2 has it, and while a prefetch has it loaded.
