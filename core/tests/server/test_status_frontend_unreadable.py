@@ -35,7 +35,7 @@ def failures(server: TiersServer) -> dict[str, int]:
 
 
 def test_status_sums_hold_while_a_front_end_cannot_be_read(
-    make_server: Factory, monkeypatch: pytest.MonkeyPatch
+    make_server: Factory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from lmcache_plugin_frontend_native.frontend import NativeFrontend
 
@@ -66,6 +66,10 @@ def test_status_sums_hold_while_a_front_end_cannot_be_read(
     # gauges are not held: work in flight is not shown once it may be done
     assert unreadable["clients"] == 0
     assert counted.get("frontend_report_error", 0) >= 1
+    said = [record.getMessage() for record in caplog.records if "stats() failed" in record.getMessage()]
+    assert said, caplog.text
+    assert "its counters in the sums are the ones it last reported" in said[0], said[0]
+    assert "RuntimeError: stats is broken" in said[0], said[0]
 
     again = read_status(server)
     assert again["frontend_stats_held"] == []

@@ -83,6 +83,12 @@ logger = logging.getLogger(__name__)
 AUTH_TOKEN_ENV = "LMCACHE_TIERS_AUTH_TOKEN"
 #: failure reason of a front end whose ``stats()``, ``status()`` or ``health()`` raised
 FRONTEND_REPORT_ERROR = "frontend_report_error"
+#: what the server reports instead of a front end's answer that raised, by method
+_WHAT_A_FAILED_REPORT_COSTS = {
+    "stats": "its counters in the sums are the ones it last reported, its own samples and gauges left out",
+    "status": "its /status entry is its name and the error",
+    "health": "the server reports itself unhealthy",
+}
 #: how long a front end that does not finish its drain is waited for beyond the deadline
 _JOIN_GRACE_S = 5.0
 #: descriptors a front end's ZeroMQ context takes when its first socket starts it
@@ -333,9 +339,10 @@ class TiersServer:
         self._count_failure(FRONTEND_REPORT_ERROR)
         self._report_errors.warn(
             f"{frontend.name}:{method}",
-            "front end %s: %s() failed, left out of what the server reports: %s: %s",
+            "front end %s: %s() failed, %s: %s: %s",
             frontend.name,
             method,
+            _WHAT_A_FAILED_REPORT_COSTS.get(method, "left out of what the server reports"),
             type(exc).__name__,
             exc,
         )
