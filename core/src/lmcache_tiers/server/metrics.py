@@ -177,7 +177,10 @@ class TiersCollector(Collector):
         prefetch = storage.get("prefetch", {})
         store = storage.get("store", {})
         in_flight = _gauge("in_flight", "Work in progress, by kind", ["kind"])
+        # l2_prefetches counts running and queued requests (what the prefetch controller still
+        # owes); the queued ones alone show requests piling up behind the in-flight limit.
         in_flight.add_metric(["l2_prefetches"], prefetch.get("in_flight", 0) + prefetch.get("queued", 0))
+        in_flight.add_metric(["l2_prefetches_queued"], prefetch.get("queued", 0))
         in_flight.add_metric(["l2_stores"], store.get("in_flight_tasks", 0) + store.get("pending_batches", 0))
         in_flight.add_metric(["client_prefetches"], stats.pending_prefetches)
         in_flight.add_metric(["client_stores"], stats.reserved_stores)
