@@ -109,3 +109,20 @@ def test_the_lmcache_mp_options_table_gives_the_shipped_defaults() -> None:
     }
     assert set(rows) == set(defaults) - {"host", "port"}
     assert {name: rows[name] for name in rows} == {name: _documented(defaults[name]) for name in rows}
+
+
+def test_readme_describes_every_benchmark_and_what_run_all_leaves_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    run_all = importlib.import_module("run_all")
+    scripts = {path.name for path in (ROOT / "bench").glob("bench_*.py") if "__main__" in path.read_text()}
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    section = readme.split("## Benchmarks", 1)[1].split("## ", 1)[0]
+    described = set(re.findall(r"`bench/(bench_\w+\.py)`", section))
+    assert described == scripts
+    left_out = re.search(r"`bench/run_all.py` runs all of them but (.*?) and writes one report", section)
+    assert left_out is not None
+    run = {bench.script for bench in run_all.BENCHES}
+    assert set(re.findall(r"`(bench_\w+\.py)`", left_out.group(1))) == scripts - run
+    assert run <= scripts
