@@ -292,3 +292,32 @@ def test_every_documented_toml_configuration_is_valid(
                 )
     assert refused == []
     assert checked >= 2
+
+
+#: a path in the repository a document names, with a test after ``::`` if it names one
+REPOSITORY_PATH = re.compile(
+    r"(?<![\w/.-])((?:core|plugins|tests|bench|scripts|docs)/[\w./-]+?\.(?:py|sh|md|toml|txt|json))(?:::(\w+))?"
+)
+
+
+def missing_paths(text: str) -> list[str]:
+    missing = []
+    for found in REPOSITORY_PATH.finditer(text):
+        path = ROOT / found.group(1)
+        if not path.exists():
+            missing.append(found.group(1))
+        elif found.group(2) and f"def {found.group(2)}(" not in path.read_text():
+            missing.append(f"{found.group(1)}::{found.group(2)}")
+    return missing
+
+
+def test_every_repository_path_a_document_names_exists() -> None:
+    missing = [
+        f"{path.relative_to(ROOT)}: {name}" for path in DOCUMENTS for name in missing_paths(path.read_text())
+    ]
+    assert missing == []
+
+
+def test_the_path_check_catches_a_moved_file() -> None:
+    text = "see `bench/bench_server.py`, tests/cli/test_docs_commands.py::test_nothing and core/gone.py"
+    assert missing_paths(text) == ["tests/cli/test_docs_commands.py::test_nothing", "core/gone.py"]
