@@ -52,6 +52,7 @@ from lmcache_tiers.testing.l2_support import (
     DeflateSerde,
     RecordingListener,
     Reopen,
+    changes,
     make_keys,
     nonzero,
     pattern,
@@ -82,13 +83,20 @@ class L2AdapterSuite(L2CapabilityTests, ImmediateLookupTests, IntegrityTests, Ba
     def test_store_lookup_load_round_trip(self, adapter: L2Adapter, pool: BufferPool) -> None:
         keys = make_keys(4)
         ok, data = self.store(adapter, pool, keys)
-        assert ok == [True] * 4
+        assert ok == [True] * 4, f"stores of 4 keys answered {ok}{self.raised(adapter)}"
         found = self.client(adapter).lookup_and_lock(keys)
-        assert found.found == [True] * 4
-        assert found.sizes == [len(d) for d in data]
+        assert found.found == [True] * 4, (
+            f"a lookup of 4 keys just stored found {found.found}{self.raised(adapter)}"
+        )
+        assert found.sizes == [len(d) for d in data], (
+            f"a lookup answered sizes {found.sizes} for objects of {[len(d) for d in data]} bytes"
+        )
         loaded, contents = self.load(adapter, pool, keys, found.sizes)
-        assert loaded == [True] * 4
-        assert contents == data
+        assert loaded == [True] * 4, (
+            f"loads of 4 keys the lookup found answered {loaded}: a lookup must claim only"
+            f" objects a load can deliver{self.raised(adapter)}"
+        )
+        assert contents == data, f"loads reported success with other bytes: {changes(contents, data)}"
         adapter.unlock(keys)
         self.assert_no_pins(adapter)
 
@@ -138,12 +146,17 @@ class L2AdapterSuite(L2CapabilityTests, ImmediateLookupTests, IntegrityTests, Ba
         ok, data = self.store(adapter, pool, [keys[0], keys[2], keys[3]])
         assert ok == [True] * 3
         result = self.client(adapter).lookup_and_lock(keys)
-        assert result.found == [True, False, True, True, False]
+        assert result.found == [True, False, True, True, False], (
+            f"a lookup of 3 stored keys among 5 found {result.found}{self.raised(adapter)}"
+        )
         assert result.sizes == [len(data[0]), 0, len(data[1]), len(data[2]), 0]
         sizes = [size or self.object_size for size in result.sizes]
         loaded, contents = self.load(adapter, pool, keys, sizes)
-        assert loaded == [True, False, True, True, False]
-        assert [contents[0], contents[2], contents[3]] == data
+        assert loaded == [True, False, True, True, False], (
+            f"loads of hits and misses answered {loaded}{self.raised(adapter)}"
+        )
+        hits = [contents[0], contents[2], contents[3]]
+        assert hits == data, f"loads of the hits gave other bytes: {changes(hits, data)}"
         adapter.unlock([k for k, hit in zip(keys, result.found, strict=True) if hit])
         self.assert_no_pins(adapter)
 
@@ -178,7 +191,8 @@ class L2AdapterSuite(L2CapabilityTests, ImmediateLookupTests, IntegrityTests, Ba
         result = self.client(adapter).lookup_and_lock([key])
         assert result.sizes == [self.object_size // 2]
         loaded, contents = self.load(adapter, pool, [key], result.sizes)
-        assert loaded == [True] and contents == data
+        assert loaded == [True], f"the load after an overwrite answered {loaded}"
+        assert contents == data, f"the load after an overwrite gave other bytes: {changes(contents, data)}"
         adapter.unlock([key])
         assert adapter.used_bytes() == self.stored_bytes([key], data)
 
@@ -247,7 +261,9 @@ class L2AdapterSuite(L2CapabilityTests, ImmediateLookupTests, IntegrityTests, Ba
         # backend that packs, pads or inlines small objects wrongly would pass.
         loaded, contents = self.lookup_and_load(adapter, pool, plain + salted)
         assert loaded == [True] * 5
-        assert contents == plain_data + salted_data, "an object smaller than a page came back changed"
+        assert contents == plain_data + salted_data, (
+            f"an object smaller than a page came back changed: {changes(contents, plain_data + salted_data)}"
+        )
         assert adapter.delete([plain[0], salted[2]]) == [True, True]
         plain_bytes = self.stored_bytes(plain[1:], plain_data[1:])
         salted_bytes = self.stored_bytes(salted[:2], salted_data[:2])

@@ -12,6 +12,7 @@ from lmcache_tiers.testing.l2_support import (
     BufferPool,
     L2SuiteBase,
     Reopen,
+    changes,
     keys_differing_in_one_field,
     make_keys,
     nonzero,
@@ -114,7 +115,9 @@ class L2CapabilityTests(L2SuiteBase):
         assert reopened.used_bytes() == self.stored_bytes(keys, data), "an older version was accounted"
         loaded, contents = self.lookup_and_load(reopened, pool, keys)
         assert loaded == [True, True]
-        assert contents == data, "an older version was loaded after reopening"
+        assert contents == data, (
+            f"after reopening, loads gave other bytes than the newest versions: {changes(contents, data)}"
+        )
 
     @requires(CAPACITY)
     def test_store_beyond_capacity_fails(self, adapter: L2Adapter, pool: BufferPool) -> None:

@@ -8,6 +8,7 @@ from lmcache_tiers.l2 import L2Adapter
 from lmcache_tiers.testing.l2_support import (
     BufferPool,
     L2SuiteBase,
+    changes,
     keys_differing_in_one_field,
     make_keys,
     pattern,
@@ -26,8 +27,13 @@ class IntegrityTests(L2SuiteBase):
         for buffer in buffers:
             buffer[:] = bytes([0xA5]) * buffer.nbytes
         loaded, contents = self.lookup_and_load(adapter, pool, keys)
-        assert loaded == [True, True]
-        assert contents == data, "a load returned what the caller wrote after the store completed"
+        assert loaded == [True, True], f"loads of 2 keys just stored answered {loaded}"
+        reused = [bytes(buffer) for buffer in buffers]
+        assert contents == data, (
+            "a load returned what the caller wrote after the store completed"
+            if any(got == caller for got, caller in zip(contents, reused, strict=True))
+            else f"loads gave other bytes than were stored: {changes(contents, data)}"
+        )
         self.assert_no_pins(adapter)
 
     def test_keys_differing_in_one_field_are_distinct_objects(
@@ -38,12 +44,21 @@ class IntegrityTests(L2SuiteBase):
         assert ok == [True] * len(keys)
         assert set(adapter.iter_keys()) == set(keys)
         loaded, contents = self.lookup_and_load(adapter, pool, keys)
-        assert loaded == [True] * len(keys)
-        assert contents == data, "keys that differ in one field share an object"
+        assert loaded == [True] * len(keys), f"loads of keys just stored answered {loaded}"
+        shared = [i for i, got in enumerate(contents) if got != data[i] and got in data]
+        assert contents == data, (
+            f"keys that differ in one field share an object: keys {shared} loaded another key's bytes"
+            if shared
+            else f"loads gave other bytes than were stored: {changes(contents, data)}"
+        )
         assert adapter.delete(keys[:1]) == [True]
         found = self.client(adapter).lookup_and_lock(keys).found
         adapter.unlock(keys[1:])
-        assert found == [False] + [True] * (len(keys) - 1), "deleting one key removed another"
+        assert not found[0], "a lookup still found the key deleted (deleted objects must miss)"
+        assert found[1:] == [True] * (len(keys) - 1), (
+            f"after deleting one key a lookup found {found[1:]} of the others{self.raised(adapter)}"
+            " (deleting one key must leave keys differing from it in one field)"
+        )
         self.assert_no_pins(adapter)
 
     def test_a_load_after_an_overwrite_returns_the_new_bytes(

@@ -77,6 +77,32 @@ GUARD_FILL = bytes([0xA5, 0x5A, 0xC3, 0x3C]) * (GUARD_BYTES // 4)
 _GUARD_ARRAY = np.frombuffer(GUARD_FILL, dtype=np.uint8)
 
 
+def changes(loaded: Sequence[bytes], stored: Sequence[bytes]) -> str:
+    """What differs between the objects loads returned and those stored, object by object:
+    a short load (the end of the buffer left as it was), other bytes from the start, or
+    another size -- so a failed round trip says which of those the backend did."""
+    told = []
+    for position, (got, want) in enumerate(zip(loaded, stored, strict=True)):
+        if got == want:
+            continue
+        if len(got) != len(want):
+            told.append(f"object {position}: {len(got)} bytes loaded, {len(want)} stored")
+            continue
+        differ = np.flatnonzero(np.frombuffer(got, np.uint8) != np.frombuffer(want, np.uint8))
+        first, last = int(differ[0]), int(differ[-1])
+        told.append(
+            f"object {position}: bytes {first}..{last} of {len(want)} differ from what was stored"
+            + (
+                " (its end: a load that filled less than the buffer?)"
+                if last == len(want) - 1 and first > 0
+                else ""
+            )
+        )
+    if len(told) > 3:
+        told[3:] = [f"and {len(told) - 3} more objects"]
+    return "; ".join(told) if told else "no object differs"
+
+
 def _changed(guard: memoryview) -> np.ndarray:
     """Indexes of the bytes of ``guard`` that no longer hold the guard fill."""
     return np.flatnonzero(np.frombuffer(guard, dtype=np.uint8) != _GUARD_ARRAY)
@@ -328,6 +354,15 @@ class L2SuiteBase(ComponentSuite):
         loaded, contents = self.load(adapter, pool, keys, [size or self.object_size for size in result.sizes])
         adapter.unlock([key for key, hit in zip(keys, result.found, strict=True) if hit])
         return loaded, contents
+
+    @staticmethod
+    def raised(adapter: L2Adapter) -> str:
+        """Why keys may have missed or failed: the backend calls that raised (or answered a
+        result of the wrong length or kind), which core counts as ``backend_errors``."""
+        errors = int(adapter.stats().get("backend_errors", 0))
+        if not errors:
+            return ""
+        return f" ({errors} backend calls raised or answered malformed results: backend_errors, see the log)"
 
     def assert_no_pins(self, adapter: L2Adapter) -> None:
         pinned = getattr(adapter, "pinned_keys", None)
