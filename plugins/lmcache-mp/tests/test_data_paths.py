@@ -313,10 +313,10 @@ def test_a_lookup_whose_prefetch_outlives_half_the_lock_ttl_is_given_up_and_coun
 ) -> None:
     # Loads from L2 sleep far longer than the test waits (the sleep ends at close): the
     # sweep, at half the 1 s lock TTL, finds the prefetch still running however slow the
-    # machine is.
+    # machine is.  The stop gives that load up after a short drain, not the default 10 s.
     inner = {"type": "mock", "max_size_gb": 0.1}
     slow_l2 = [json.dumps({"type": "fault_inject", "inner": inner, "delay_s": 600.0, "delay_ops": ["load"]})]
-    server = make_mp_server(adapters=slow_l2, lookup_wait_ms=0, l1_lock_ttl_s=1.0)
+    server = make_mp_server(adapters=slow_l2, lookup_wait_ms=0, l1_lock_ttl_s=1.0, shutdown_timeout_s=0.5)
     with MPClient(mp_address(server)) as client:
         in_l2_alone(server, client, 11)
         assert client.call("lookup", Key(tokens_of(11), "slow").encode(), 1) is None
