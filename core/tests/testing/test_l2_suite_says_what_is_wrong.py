@@ -38,14 +38,19 @@ def failure_of(backend: type[DictBackend], name: str) -> str:
     """The assertion message of suite test ``name`` run against ``backend``."""
     suite = _SuiteOn(backend)
     l1_buffer = page_aligned_buffer(suite.l1_buffer_size)
-    adapter = suite.open_adapter(suite.make_config(), l1_buffer)
-    fixtures = {"adapter": adapter, "pool": BufferPool(l1_buffer)}
+    opened = [suite.open_adapter(suite.make_config(), l1_buffer)]
+    fixtures = {
+        "adapter": opened[0],
+        "pool": BufferPool(l1_buffer),
+        "reopen_adapter": lambda previous: suite.reopen(previous, l1_buffer, opened),
+    }
     test = getattr(suite, name)
     try:
         with pytest.raises(AssertionError) as failure:
             test(**{parameter: fixtures[parameter] for parameter in inspect.signature(test).parameters})
     finally:
-        adapter.close()
+        for adapter in opened:
+            adapter.close()
     return str(failure.value)
 
 
@@ -91,6 +96,14 @@ class LoadsStaleBytes(DictBackend):
         return [key in self.objects for key in keys]
 
 
+class ForgetsOnClose(DictBackend):
+    """Keeps objects in memory only, yet is declared PERSISTENCE."""
+
+    def close(self) -> None:
+        with self.lock:
+            self.objects.clear()
+
+
 def test_changes_tell_a_short_load_from_other_bytes_and_other_sizes() -> None:
     stored = [b"abcd", b"efgh", b"ijkl", b"mn"]
     loaded = [b"abcd", b"efg\0", b"\0jkl", b"mno"]
@@ -130,3 +143,21 @@ def test_lookups_failing_because_the_backend_raised_say_so() -> None:
     message = failure_of(RaisesOnAMiss, "test_partial_hits")
     assert message.startswith("a lookup of 3 stored keys among 5 found [False, False, False, False, False]")
     assert "backend calls raised or answered malformed results: backend_errors, see the log" in message
+
+
+def test_objects_lost_at_close_are_named_as_such() -> None:
+    assert failure_of(ForgetsOnClose, "test_objects_survive_reopening").startswith(
+        "after reopening, the listing names 0 keys of the 4 stored; 4 missing (a backend declaring"
+        " PERSISTENCE keeps objects across close()"
+    )
+    assert failure_of(ForgetsOnClose, "test_deletes_survive_reopening").startswith(
+        "after reopening, the listing names 0 keys of the 3 stored; 1 missing"
+    )
+    assert failure_of(ForgetsOnClose, "test_usage_is_known_right_after_reopening").startswith(
+        "after reopening, the start-up scan accounted 0 bytes, not the"
+    )
+
+
+def test_nothing_accounted_after_reopening_is_not_taken_for_an_older_version() -> None:
+    message = failure_of(ForgetsOnClose, "test_overwrites_survive_reopening")
+    assert message.endswith(": nothing outlived close()")

@@ -14,6 +14,7 @@ from lmcache_tiers.testing.l2_support import (
     Reopen,
     changes,
     keys_differing_in_one_field,
+    listing_differs,
     make_keys,
     nonzero,
     pattern,
@@ -37,9 +38,12 @@ class L2CapabilityTests(L2SuiteBase):
         self, adapter: L2Adapter, pool: BufferPool, reopen_adapter: Reopen
     ) -> None:
         reopened, keys, data = self._stored_then_reopened(adapter, pool, reopen_adapter, 1)
-        assert set(reopened.iter_keys()) == set(keys)
+        listed = list(reopened.iter_keys())
+        assert set(listed) == set(keys), listing_differs(listed, keys, len(keys))
         result = self.client(reopened).lookup_and_lock(keys)
-        assert result.found == [True] * 4
+        assert result.found == [True] * 4, (
+            f"after reopening, a lookup of 4 stored keys found {result.found}{self.raised(reopened)}"
+        )
         assert result.sizes == [len(d) for d in data]
         assert reopened.used_bytes() == self.stored_bytes(keys, data)
         by_salt = {
@@ -58,7 +62,11 @@ class L2CapabilityTests(L2SuiteBase):
         reopened, keys, data = self._stored_then_reopened(adapter, pool, reopen_adapter, 2)
         self.wait_scanned(reopened)
         # Before any lookup: the start-up scan accounted what the backend holds.
-        assert reopened.used_bytes() == self.stored_bytes(keys, data)
+        assert reopened.used_bytes() == self.stored_bytes(keys, data), (
+            f"after reopening, the start-up scan accounted {reopened.used_bytes()} bytes, not the"
+            f" {self.stored_bytes(keys, data)} stored: list_keys() lists every stored object"
+            " with its stored size"
+        )
         assert nonzero(reopened.used_bytes_by_salt()) == {
             "": self.stored_bytes(keys[:3], data[:3]),
             "tenant-a": self.stored_bytes(keys[3:], data[3:]),
@@ -78,7 +86,8 @@ class L2CapabilityTests(L2SuiteBase):
         assert ok == [True] * len(keys)
         reopened = reopen_adapter(adapter)
         self.wait_scanned(reopened)
-        assert set(reopened.iter_keys()) == set(keys)
+        listed = list(reopened.iter_keys())
+        assert set(listed) == set(keys), listing_differs(listed, keys, len(keys))
         loaded, contents = self.lookup_and_load(reopened, pool, keys)
         assert loaded == [True] * len(keys)
         assert contents == data
@@ -94,7 +103,8 @@ class L2CapabilityTests(L2SuiteBase):
         self.wait_scanned(reopened)
         # Before any lookup: a listing that still names deleted objects accounts bytes
         # that are not there and offers them to the eviction policy.
-        assert set(reopened.iter_keys()) == {keys[2]}, "the listing after reopening names deleted keys"
+        listed = list(reopened.iter_keys())
+        assert set(listed) == {keys[2]}, listing_differs(listed, keys[2:], len(keys)) + " (2 were deleted)"
         assert reopened.used_bytes() == self.stored_bytes(keys[2:], data[2:])
         loaded, contents = self.lookup_and_load(reopened, pool, keys)
         assert loaded == [False, False, True]
@@ -112,7 +122,11 @@ class L2CapabilityTests(L2SuiteBase):
         assert ok == [True, True]
         reopened = reopen_adapter(adapter)
         self.wait_scanned(reopened)
-        assert reopened.used_bytes() == self.stored_bytes(keys, data), "an older version was accounted"
+        used, newest = reopened.used_bytes(), self.stored_bytes(keys, data)
+        assert used == newest, (
+            f"after reopening, {used} bytes were accounted, not the {newest} of the newest versions"
+            + (": nothing outlived close()" if used == 0 else ": an older version was accounted")
+        )
         loaded, contents = self.lookup_and_load(reopened, pool, keys)
         assert loaded == [True, True]
         assert contents == data, (

@@ -8,7 +8,7 @@ import mmap
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -101,6 +101,27 @@ def changes(loaded: Sequence[bytes], stored: Sequence[bytes]) -> str:
     if len(told) > 3:
         told[3:] = [f"and {len(told) - 3} more objects"]
     return "; ".join(told) if told else "no object differs"
+
+
+def listing_differs(listed: Iterable[ObjectKey], expected: Iterable[ObjectKey], stored: int) -> str:
+    """How a listing after reopening differs from the keys it should name, of ``stored``
+    keys stored before: keys missing (objects that did not outlive ``close()``, or names
+    the listing cannot decode back to their keys) or keys it names that it should not
+    (deleted ones, or another key's name)."""
+    listed_set, expected_set = set(listed), set(expected)
+    missing, extra = expected_set - listed_set, listed_set - expected_set
+    told = [f"after reopening, the listing names {len(listed_set)} keys of the {stored} stored"]
+    if missing:
+        told.append(
+            f"{len(missing)} missing (a backend declaring PERSISTENCE keeps objects across close()"
+            " and lists them with their keys unchanged), e.g. " + repr(sorted(missing, key=repr)[0])
+        )
+    if extra:
+        told.append(
+            f"{len(extra)} it should not name (deleted, or not stored), e.g. "
+            + repr(sorted(extra, key=repr)[0])
+        )
+    return "; ".join(told)
 
 
 def _changed(guard: memoryview) -> np.ndarray:
