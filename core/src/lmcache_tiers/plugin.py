@@ -63,7 +63,8 @@ What each kind of plugin needs:
   ``O_DIRECT``: ``direct_io_refusal``;
 * tests: ``L2AdapterSuite`` (``PERSISTENCE``, ``CAPACITY``, ``EVICTION``, ``IMMEDIATE_MISSES``,
   ``IMMEDIATE_HITS``, ``BACKEND_FAILURES``; ``DeflateSerde`` runs it on frames that change
-  size), ``SerdeSuite``
+  size; ``ScratchDirectory`` gives each test a fresh ``self.storage_dir`` for
+  ``make_config``), ``SerdeSuite``
   (``LOSSLESS``, ``DETECTS_CORRUPTION``, ``BINDS_KEY``),
   ``StorePolicySuite``, ``PrefetchPolicySuite``, ``EvictionPolicySuite`` (``EVICTS``,
   ``RECENCY``, ``LOADS_EVERY_HIT``, ``STORES_EVERYWHERE``), ``ComponentSuite``,
@@ -204,6 +205,7 @@ if TYPE_CHECKING:
     from lmcache_tiers.storage import StorageManager
     from lmcache_tiers.testing.base import ComponentSuite
     from lmcache_tiers.testing.blocking import BlockingAdapterClient
+    from lmcache_tiers.testing.files import ScratchDirectory
     from lmcache_tiers.testing.frontend import FrontendDriver, FrontendSuite
     from lmcache_tiers.testing.l2 import (
         BACKEND_FAILURES,
@@ -334,6 +336,7 @@ _LAZY = {
     "ComponentSuite": "lmcache_tiers.testing.base",
     "L2AdapterSuite": "lmcache_tiers.testing.l2",
     "DeflateSerde": "lmcache_tiers.testing.l2",
+    "ScratchDirectory": "lmcache_tiers.testing.files",
     "PERSISTENCE": "lmcache_tiers.testing.l2",
     "BACKEND_FAILURES": "lmcache_tiers.testing.l2",
     "CAPACITY": "lmcache_tiers.testing.l2",
@@ -457,6 +460,7 @@ __all__ = [
     "RecordVersionError",
     "RemovalFailures",
     "RouterLoop",
+    "ScratchDirectory",
     "Serde",
     "SerdeContext",
     "SerdeSuite",

@@ -11,6 +11,9 @@ class TestTemplate(L2AdapterSuite):
     component_name = "template"
     # No PERSISTENCE: objects live as long as one adapter.  Add it (and a reopen_adapter
     # fixture if the same config does not reach the same storage) for a persistent backend.
+    # One whose config names a file or directory mixes in ScratchDirectory (from
+    # lmcache_tiers.plugin, listed before L2AdapterSuite) and builds its config on
+    # self.storage_dir: a fresh directory per test, removed after it.
     capabilities = frozenset({CAPACITY, EVICTION})
     # A backend whose store a test can make fail (a server it starts, killed and started
     # again on the same port and data, or frozen with SIGSTOP; a directory made
