@@ -14,7 +14,14 @@ from l2_backends import DictBackend, DictConfig
 from lmcache_tiers.config import L2AdapterConfig
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import L2Adapter, ObjectSize, create_adapter
-from lmcache_tiers.testing.l2 import CAPACITY, EVICTION, PERSISTENCE, BufferPool, L2AdapterSuite
+from lmcache_tiers.testing.l2 import (
+    CAPACITY,
+    EVICTION,
+    IMMEDIATE_MISSES,
+    PERSISTENCE,
+    BufferPool,
+    L2AdapterSuite,
+)
 from lmcache_tiers.testing.l2_support import changes, page_aligned_buffer
 
 
@@ -34,9 +41,11 @@ class _SuiteOn(L2AdapterSuite):
         return create_adapter(self.backend, config, self.make_context(config, l1_buffer))
 
 
-def failure_of(backend: type[DictBackend], name: str) -> str:
-    """The assertion message of suite test ``name`` run against ``backend``."""
+def failure_of(backend: type[DictBackend], name: str, capabilities: frozenset[str] = frozenset()) -> str:
+    """The assertion message of suite test ``name`` run against ``backend``, declaring
+    ``capabilities`` too."""
     suite = _SuiteOn(backend)
+    suite.capabilities = _SuiteOn.capabilities | capabilities
     l1_buffer = page_aligned_buffer(suite.l1_buffer_size)
     opened = [suite.open_adapter(suite.make_config(), l1_buffer)]
     fixtures = {
@@ -161,3 +170,11 @@ def test_objects_lost_at_close_are_named_as_such() -> None:
 def test_nothing_accounted_after_reopening_is_not_taken_for_an_older_version() -> None:
     message = failure_of(ForgetsOnClose, "test_overwrites_survive_reopening")
     assert message.endswith(": nothing outlived close()")
+
+
+def test_immediate_misses_declared_without_contains_many_now_say_what_is_missing() -> None:
+    # DictBackend has no contains_many_now: every immediate lookup is "not now".
+    for name in ("test_immediate_lookup_of_absent_keys", "test_immediate_misses_become_hits_once_stored"):
+        message = failure_of(DictBackend, name, frozenset({IMMEDIATE_MISSES}))
+        assert message.startswith("lookup_and_lock_now answered None (not now): a backend declaring")
+        assert "IMMEDIATE_MISSES defines contains_many_now(keys)" in message

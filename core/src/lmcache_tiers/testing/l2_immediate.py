@@ -18,6 +18,12 @@ from lmcache_tiers.testing.l2_support import (
     make_keys,
 )
 
+#: why a declared capability failed when nothing was answered at once
+_NOT_ANSWERED = (
+    "lookup_and_lock_now answered None (not now): a backend declaring {capability} defines"
+    " contains_many_now(keys) answering these lookups from memory; drop the capability otherwise"
+)
+
 
 class ImmediateLookupTests(L2SuiteBase):
     """``lookup_and_lock_now`` agrees with ``submit_lookup_and_lock``, pins included."""
@@ -29,7 +35,7 @@ class ImmediateLookupTests(L2SuiteBase):
         self.wait_scanned(adapter)
         now = adapter.lookup_and_lock_now(keys)
         if now is None:
-            assert IMMEDIATE_HITS not in self.capabilities, "declared IMMEDIATE_HITS but did not answer"
+            assert IMMEDIATE_HITS not in self.capabilities, _NOT_ANSWERED.format(capability="IMMEDIATE_HITS")
             self.assert_no_pins(adapter)  # "not now" holds nothing
             return
         submitted = self.client(adapter).lookup_and_lock(keys)
@@ -50,7 +56,8 @@ class ImmediateLookupTests(L2SuiteBase):
         self.wait_scanned(adapter)
         now = adapter.lookup_and_lock_now(keys)
         if IMMEDIATE_MISSES in self.capabilities or IMMEDIATE_HITS in self.capabilities:
-            assert now is not None, "declared immediate lookups but did not answer"
+            declared = "IMMEDIATE_MISSES" if IMMEDIATE_MISSES in self.capabilities else "IMMEDIATE_HITS"
+            assert now is not None, _NOT_ANSWERED.format(capability=declared)
         if now is not None:
             assert (now.found, now.sizes) == ([False] * 3, [0] * 3)
         self.assert_no_pins(adapter)
@@ -60,12 +67,14 @@ class ImmediateLookupTests(L2SuiteBase):
     def test_immediate_misses_become_hits_once_stored(self, adapter: L2Adapter, pool: BufferPool) -> None:
         (key,) = make_keys(1, start=500)
         self.wait_scanned(adapter)
-        assert adapter.lookup_and_lock_now([key]) == ([False], [0])
+        now = adapter.lookup_and_lock_now([key])
+        assert now is not None, _NOT_ANSWERED.format(capability="IMMEDIATE_MISSES")
+        assert now == ([False], [0]), f"an immediate lookup of a key never stored answered {now}"
         ok, data = self.store(adapter, pool, [key])
         assert ok == [True]
         now = adapter.lookup_and_lock_now([key])
         if now is None:  # hits may need the worker thread
-            assert IMMEDIATE_HITS not in self.capabilities
+            assert IMMEDIATE_HITS not in self.capabilities, _NOT_ANSWERED.format(capability="IMMEDIATE_HITS")
             now = self.client(adapter).lookup_and_lock([key])
         assert (now.found, now.sizes) == ([True], [len(data[0])])
         adapter.unlock([key])
