@@ -113,6 +113,13 @@ class ForgetsOnClose(DictBackend):
             self.objects.clear()
 
 
+class NoCapacity(DictBackend):
+    """Declared CAPACITY, yet tells core of none."""
+
+    def capacity(self) -> None:
+        return None
+
+
 def test_changes_tell_a_short_load_from_other_bytes_and_other_sizes() -> None:
     stored = [b"abcd", b"efgh", b"ijkl", b"mn"]
     loaded = [b"abcd", b"efg\0", b"\0jkl", b"mno"]
@@ -178,3 +185,10 @@ def test_immediate_misses_declared_without_contains_many_now_say_what_is_missing
         message = failure_of(DictBackend, name, frozenset({IMMEDIATE_MISSES}))
         assert message.startswith("lookup_and_lock_now answered None (not now): a backend declaring")
         assert "IMMEDIATE_MISSES defines contains_many_now(keys)" in message
+
+
+def test_capacity_declared_without_one_says_so() -> None:
+    for name in ("test_store_beyond_capacity_fails", "test_usage_is_known_right_after_reopening"):
+        assert failure_of(NoCapacity, name).startswith(
+            "declared CAPACITY but the adapter has no capacity (usage() is -1): the backend's capacity()"
+        )

@@ -234,6 +234,13 @@ class RecordingListener:
             return [key for event, _, keys in self.events if event == kind for key in keys]
 
 
+#: a backend declaring CAPACITY whose adapter has none
+_NO_CAPACITY = (
+    "declared CAPACITY but the adapter has no capacity (usage() is -1): the backend's capacity()"
+    " returned None or raised; return its size in bytes or Capacity(...), or drop CAPACITY"
+)
+
+
 class L2SuiteBase(ComponentSuite):
     """Fixtures and helpers of the L2 suite; the tests are in its subclasses."""
 
@@ -400,7 +407,8 @@ class L2SuiteBase(ComponentSuite):
     def _check_usage(self, adapter: L2Adapter) -> None:
         usage = adapter.usage()
         if CAPACITY in self.capabilities:
-            assert 0.0 < usage <= 1.0
+            assert usage != -1.0, _NO_CAPACITY
+            assert 0.0 < usage <= 1.0, f"usage {usage} with objects stored: a fraction in (0, 1] was expected"
         else:
             assert usage == -1.0 or 0.0 <= usage <= 1.0
 
@@ -413,6 +421,7 @@ class L2SuiteBase(ComponentSuite):
             if client.store([key], [pool.filled(pattern(index, self.object_size))]) == [False]:
                 return stored, key
             stored.append(key)
+        assert adapter.usage() != -1.0, _NO_CAPACITY
         raise AssertionError(
             f"{self.max_fill_objects} objects of {self.object_size} bytes all fit; "
             "configure a smaller capacity for the capacity tests"
