@@ -192,3 +192,17 @@ def test_capacity_declared_without_one_says_so() -> None:
         assert failure_of(NoCapacity, name).startswith(
             "declared CAPACITY but the adapter has no capacity (usage() is -1): the backend's capacity()"
         )
+
+
+def test_lookups_of_deleted_keys_that_hit_are_named() -> None:
+    assert failure_of(LookupRemembersDeletedKeys, "test_delete_reports_per_key").startswith(
+        "a lookup of keys deleted or never stored found [True, False, True]"
+    )
+    assert failure_of(LookupRemembersDeletedKeys, "test_large_batches_round_trip").startswith(
+        "a lookup found 40 of 40 keys deleted"
+    )
+
+
+def test_a_short_load_of_a_pinned_key_is_named() -> None:
+    message = failure_of(ShortLoads, "test_pins_between_lookup_and_load_block_delete")
+    assert message.startswith("the load gave other bytes: object 0: bytes")

@@ -109,11 +109,15 @@ class L2AdapterSuite(L2CapabilityTests, ImmediateLookupTests, IntegrityTests, Ba
         ok, data = self.store(adapter, pool, keys, sizes, seed=7)
         assert ok == [True] * len(keys)
         loaded, contents = self.lookup_and_load(adapter, pool, keys)
-        assert loaded == [True] * len(keys)
+        assert loaded == [True] * len(keys), (
+            f"loads of keys the lookup found failed: {[i for i, ok in enumerate(loaded) if not ok]}"
+            f" of {len(keys)}{self.raised(adapter)}"
+        )
         bad = [index for index, (got, want) in enumerate(zip(contents, data, strict=True)) if got != want]
         assert not bad, f"keys {bad} of a batch of {len(keys)} came back changed"
         assert adapter.delete(keys) == [True] * len(keys)
-        assert self.client(adapter).lookup_and_lock(keys).found == [False] * len(keys)
+        found = self.client(adapter).lookup_and_lock(keys).found
+        assert found == [False] * len(keys), f"a lookup found {sum(found)} of {len(keys)} keys deleted"
         assert adapter.used_bytes() == 0
 
     @staticmethod
@@ -180,7 +184,7 @@ class L2AdapterSuite(L2CapabilityTests, ImmediateLookupTests, IntegrityTests, Ba
         result = self.client(adapter).lookup_and_lock(keys)
         loaded, contents = self.load(adapter, pool, keys, [result.sizes[0] - 1, result.sizes[1]])
         assert loaded == [False, True]
-        assert contents[1] == data[1]
+        assert contents[1] == data[1], f"the load gave other bytes: {changes(contents[1:], data[1:])}"
         adapter.unlock(keys)
 
     def test_overwrite_replaces_object_and_accounting(self, adapter: L2Adapter, pool: BufferPool) -> None:
@@ -205,11 +209,13 @@ class L2AdapterSuite(L2CapabilityTests, ImmediateLookupTests, IntegrityTests, Ba
         assert result.found == [True]
         assert adapter.delete(keys) == [False, True]
         loaded, contents = self.load(adapter, pool, [keys[0]], result.sizes)
-        assert loaded == [True] and contents == [data[0]]
+        assert loaded == [True], f"the load of a key the lookup found and pinned answered {loaded}"
+        assert contents == [data[0]], f"the load gave other bytes: {changes(contents, [data[0]])}"
         assert adapter.delete([keys[0]]) == [False], "a load must not consume the lookup's pin"
         adapter.unlock([keys[0]])
         assert adapter.delete([keys[0]]) == [True]
-        assert self.client(adapter).lookup_and_lock(keys).found == [False, False]
+        found = self.client(adapter).lookup_and_lock(keys).found
+        assert found == [False, False], f"a lookup of 2 keys deleted found {found}"
         self.assert_no_pins(adapter)
 
     def test_pins_are_counted(self, adapter: L2Adapter, pool: BufferPool) -> None:
@@ -236,7 +242,8 @@ class L2AdapterSuite(L2CapabilityTests, ImmediateLookupTests, IntegrityTests, Ba
         self.store(adapter, pool, [keys[0], keys[2]], [self.object_size] * 2)
         assert adapter.delete(keys) == [True, False, True]
         assert adapter.delete(keys) == [False, False, False]
-        assert self.client(adapter).lookup_and_lock(keys).found == [False] * 3
+        found = self.client(adapter).lookup_and_lock(keys).found
+        assert found == [False] * 3, f"a lookup of keys deleted or never stored found {found}"
         # Buffers of the deleted objects' size: only the delete can make these loads fail.
         loaded, _ = self.load(adapter, pool, keys, [self.object_size] * 3)
         assert loaded == [False] * 3, "a deleted object was still loaded"

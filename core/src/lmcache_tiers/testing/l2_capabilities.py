@@ -52,7 +52,10 @@ class L2CapabilityTests(L2SuiteBase):
         }
         assert nonzero(reopened.used_bytes_by_salt()) == by_salt
         loaded, contents = self.load(reopened, pool, keys, result.sizes)
-        assert loaded == [True] * 4 and contents == data
+        assert loaded == [True] * 4, (
+            f"after reopening, loads of 4 keys found answered {loaded}{self.raised(reopened)}"
+        )
+        assert contents == data, f"after reopening, loads gave other bytes: {changes(contents, data)}"
         reopened.unlock(keys)
 
     @requires(PERSISTENCE)
@@ -89,8 +92,10 @@ class L2CapabilityTests(L2SuiteBase):
         listed = list(reopened.iter_keys())
         assert set(listed) == set(keys), listing_differs(listed, keys, len(keys))
         loaded, contents = self.lookup_and_load(reopened, pool, keys)
-        assert loaded == [True] * len(keys)
-        assert contents == data
+        assert loaded == [True] * len(keys), (
+            f"after reopening, loads of keys found answered {loaded}{self.raised(reopened)}"
+        )
+        assert contents == data, f"after reopening, loads gave other bytes: {changes(contents, data)}"
 
     @requires(PERSISTENCE)
     def test_deletes_survive_reopening(
@@ -107,8 +112,12 @@ class L2CapabilityTests(L2SuiteBase):
         assert set(listed) == {keys[2]}, listing_differs(listed, keys[2:], len(keys)) + " (2 were deleted)"
         assert reopened.used_bytes() == self.stored_bytes(keys[2:], data[2:])
         loaded, contents = self.lookup_and_load(reopened, pool, keys)
-        assert loaded == [False, False, True]
-        assert contents[2] == data[2]
+        assert loaded == [False, False, True], (
+            f"after reopening, loads of 2 keys deleted and 1 kept answered {loaded}{self.raised(reopened)}"
+        )
+        assert contents[2] == data[2], (
+            f"after reopening, the load gave other bytes: {changes(contents[2:], data[2:])}"
+        )
 
     @requires(PERSISTENCE)
     def test_overwrites_survive_reopening(
@@ -128,7 +137,9 @@ class L2CapabilityTests(L2SuiteBase):
             + (": nothing outlived close()" if used == 0 else ": an older version was accounted")
         )
         loaded, contents = self.lookup_and_load(reopened, pool, keys)
-        assert loaded == [True, True]
+        assert loaded == [True, True], (
+            f"after reopening, loads of 2 keys answered {loaded}{self.raised(reopened)}"
+        )
         assert contents == data, (
             f"after reopening, loads gave other bytes than the newest versions: {changes(contents, data)}"
         )
@@ -145,7 +156,7 @@ class L2CapabilityTests(L2SuiteBase):
         # core admitted; what was stored before the refusal must all still be there.
         loaded, contents = self.lookup_and_load(adapter, pool, stored)
         assert loaded == [True] * len(stored), "objects stored before the adapter filled up were lost"
-        assert contents == expected
+        assert contents == expected, f"loads gave other bytes: {changes(contents, expected)}"
 
     @requires(CAPACITY, EVICTION)
     def test_deleting_frees_capacity(self, adapter: L2Adapter, pool: BufferPool) -> None:
@@ -157,5 +168,6 @@ class L2CapabilityTests(L2SuiteBase):
         assert self.client(adapter).store([refused], [pool.filled(data)]) == [True]
         result = self.client(adapter).lookup_and_lock([refused])
         loaded, contents = self.load(adapter, pool, [refused], result.sizes)
-        assert loaded == [True] and contents == [data]
+        assert loaded == [True], f"the load of the key stored once room was made answered {loaded}"
+        assert contents == [data], f"the load gave other bytes: {changes(contents, [data])}"
         adapter.unlock([refused])
