@@ -7,10 +7,14 @@ the old number fails here until it says the new one.
 
 from __future__ import annotations
 
+import ast
 import inspect
+import math
+import operator
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from lmcache_plugin_frontend_native import NativeConfig
@@ -143,3 +147,99 @@ def test_a_changed_constant_is_a_claim_no_document_makes() -> None:
     text = _text("docs/server.md")
     assert f"libzmq queues at most {RECEIVE_QUEUE_MESSAGES} complete messages" in text
     assert f"libzmq queues at most {RECEIVE_QUEUE_MESSAGES + 1} complete messages" not in text
+
+
+#: "10 s (`LISTING_DEADLINE_S`)" and "`JOIN_GRACE_S` (10 s)": a number a document gives
+#: beside the name of the constant that holds it
+_NUMBER = r"(\d[\d,]*(?:\.\d+)?)\s*(s|ms|KiB|MiB|GiB|TiB|%)?"
+NUMBER_THEN_NAME = re.compile(_NUMBER + r"\s*\(`([A-Z][A-Z0-9_]{2,})`")
+NAME_THEN_NUMBER = re.compile(r"`([A-Z][A-Z0-9_]{2,})`\s*\(" + _NUMBER + r"[);,]")
+UNITS = {
+    "": 1.0,
+    "s": 1.0,
+    "ms": 1e-3,
+    "KiB": 2.0**10,
+    "MiB": 2.0**20,
+    "GiB": 2.0**30,
+    "TiB": 2.0**40,
+    "%": 0.01,
+}
+_OPERATORS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.LShift: operator.lshift,
+    ast.Pow: operator.pow,
+}
+
+
+def _value(node: ast.expr) -> int | float | None:
+    """The number a constant's definition computes from literals alone, else None."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        number: int | float = node.value  # type: ignore[assignment]
+        return number
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        left, right = _value(node.left), _value(node.right)
+        if left is not None and right is not None:
+            try:
+                result: int | float = _OPERATORS[type(node.op)](left, right)
+            except TypeError:  # a shift of a float
+                return None
+            return result
+    return None
+
+
+def constant_values(sources: list[Path]) -> dict[str, set[float]]:
+    values: dict[str, set[float]] = {}
+    for source in sources:
+        for node in ast.walk(ast.parse(source.read_text())):
+            target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
+            if isinstance(node, ast.AnnAssign):
+                target = node.target
+            value = getattr(node, "value", None)
+            if isinstance(target, ast.Name) and target.id.isupper() and isinstance(value, ast.expr):
+                number = _value(value)
+                if number is not None:
+                    values.setdefault(target.id, set()).add(float(number))
+    return values
+
+
+def numbers_beside_names(text: str) -> list[tuple[str, float, str]]:
+    """(constant, the value the text gives it, the words) for each such pair in ``text``."""
+    flat = " ".join(text.split())
+    pairs = [(m.group(3), m.group(1), m.group(2), m.group(0)) for m in NUMBER_THEN_NAME.finditer(flat)]
+    pairs += [(m.group(1), m.group(2), m.group(3), m.group(0)) for m in NAME_THEN_NUMBER.finditer(flat)]
+    return [
+        (name, float(number.replace(",", "")) * UNITS[unit or ""], words)
+        for name, number, unit, words in pairs
+    ]
+
+
+def _wrong_numbers(text: str, values: dict[str, set[float]]) -> list[str]:
+    return [
+        f"{words}: the code has {sorted(values[name])}"
+        for name, given, words in numbers_beside_names(text)
+        if name in values and not any(math.isclose(given, value) for value in values[name])
+    ]
+
+
+def test_a_number_beside_a_constants_name_is_its_value() -> None:
+    values = constant_values(
+        [*(ROOT / "core" / "src").rglob("*.py"), *(ROOT / "plugins").glob("*/src/**/*.py")]
+    )
+    wrong = []
+    checked = 0
+    for document in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        checked += sum(name in values for name, _, _ in numbers_beside_names(document.read_text()))
+        wrong += [
+            f"{document.relative_to(ROOT)}: {line}" for line in _wrong_numbers(document.read_text(), values)
+        ]
+    assert wrong == []
+    assert checked >= 6
+
+
+def test_the_number_check_catches_a_stale_value() -> None:
+    values = {"DELETE_DEADLINE_S": {30.0}, "MAX_OBJECT_BYTES": {2.0**48}, "LIMIT": {65536.0}}
+    text = "waits up to 20 s (`DELETE_DEADLINE_S`), `MAX_OBJECT_BYTES` (256 TiB), up to 65,536 (`LIMIT`)"
+    assert _wrong_numbers(text, values) == ["20 s (`DELETE_DEADLINE_S`: the code has [30.0]"]
