@@ -126,3 +126,22 @@ def test_readme_describes_every_benchmark_and_what_run_all_leaves_out(
     run = {bench.script for bench in run_all.BENCHES}
     assert set(re.findall(r"`(bench_\w+\.py)`", left_out.group(1))) == scripts - run
     assert run <= scripts
+
+
+def test_server_md_lists_the_native_ops_error_codes_and_features() -> None:
+    from lmcache_tiers.wire import protocol
+
+    text = (ROOT / "docs" / "server.md").read_text()
+    section = text.split("## Native wire protocol", 1)[1].split("\n## ", 1)[0]
+    ops = {
+        int(number): name
+        for row in re.findall(r"^\| (\d+ [A-Z_]+(?: / \d+ [A-Z_]+)*) \|", section, re.M)
+        for number, name in re.findall(r"(\d+) ([A-Z_]+)", row)
+    }
+    assert ops == {op.value: op.name for op in protocol.Op if op.name != "ERROR"}
+    codes = re.search(r"Every reply carries an `ErrorCode` \(([^)]*)\)", " ".join(section.split()))
+    assert codes is not None
+    assert BACKTICKED_NAME.findall(codes.group(1)) == [code.name for code in protocol.ErrorCode]
+    features = re.search(r"HELLO's `features` list \(([^;]*);", " ".join(section.split()))
+    assert features is not None
+    assert tuple(BACKTICKED_NAME.findall(features.group(1))) == protocol.FEATURES

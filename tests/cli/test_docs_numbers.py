@@ -32,6 +32,7 @@ from lmcache_tiers.router import RECEIVE_QUEUE_MESSAGES
 from lmcache_tiers.server import stuck_stop
 from lmcache_tiers.server.app import _JOIN_GRACE_S
 from lmcache_tiers.server.preflight import SERVE_OPEN_FILES, UNIX_SOCKET_PATH_MAX
+from lmcache_tiers.wire import protocol as wire_protocol
 from lmcache_tiers.wire.decoding import KEY_CACHE_ENTRIES
 from lmcache_tiers.wire.protocol import MAX_HEADER_BYTES
 
@@ -81,6 +82,10 @@ def _claims() -> list[tuple[str, str]]:
             f"`max_keys_per_request` ({native.max_keys_per_request})",
         ),
         ("docs/server.md", f"`max_inline_bytes` + the {MAX_HEADER_BYTES // MIB} MiB header"),
+        ("docs/server.md", f"Limits: {wire_protocol.MAX_KEYS_PER_REQUEST} keys per request"),
+        ("docs/server.md", f"a {MAX_HEADER_BYTES // MIB} MiB header (a header over it is refused"),
+        ("docs/server.md", f"an auth token of at most {wire_protocol.MAX_TOKEN_LEN} characters"),
+        ("docs/server.md", f"LOOKUP's `wait_s` (default 0, at most {wire_protocol.MAX_WAIT_S:g};"),
         ("docs/server.md", f"libzmq queues at most {RECEIVE_QUEUE_MESSAGES} complete messages"),
         ("docs/server.md", f"Below {SERVE_OPEN_FILES} no configuration can serve"),
         ("docs/server.md", f"serve needs at least {SERVE_OPEN_FILES} open files to start"),
