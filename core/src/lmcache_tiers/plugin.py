@@ -62,7 +62,7 @@ What each kind of plugin needs:
   whether a directory takes
   ``O_DIRECT``: ``direct_io_refusal``;
 * tests: ``L2AdapterSuite`` (``PERSISTENCE``, ``CAPACITY``, ``EVICTION``, ``IMMEDIATE_MISSES``,
-  ``IMMEDIATE_HITS``, ``BACKEND_FAILURES``; ``DeflateSerde`` runs it on frames that change
+  ``IMMEDIATE_HITS``, ``BACKEND_FAILURES``, ``DETECTS_DAMAGE``; ``DeflateSerde`` runs it on frames that change
   size; ``ScratchDirectory`` gives each test a fresh ``self.storage_dir`` for
   ``make_config``), ``SerdeSuite``
   (``LOSSLESS``, ``DETECTS_CORRUPTION``, ``BINDS_KEY``),
@@ -210,6 +210,7 @@ if TYPE_CHECKING:
     from lmcache_tiers.testing.l2 import (
         BACKEND_FAILURES,
         CAPACITY,
+        DETECTS_DAMAGE,
         EVICTION,
         IMMEDIATE_HITS,
         IMMEDIATE_MISSES,
@@ -340,6 +341,7 @@ _LAZY = {
     "PERSISTENCE": "lmcache_tiers.testing.l2",
     "BACKEND_FAILURES": "lmcache_tiers.testing.l2",
     "CAPACITY": "lmcache_tiers.testing.l2",
+    "DETECTS_DAMAGE": "lmcache_tiers.testing.l2",
     "IMMEDIATE_HITS": "lmcache_tiers.testing.l2",
     "IMMEDIATE_MISSES": "lmcache_tiers.testing.l2",
     "EVICTION": "lmcache_tiers.testing.l2",
@@ -364,6 +366,7 @@ __all__ = [
     "BINDS_KEY",
     "CAPACITY",
     "DETECTS_CORRUPTION",
+    "DETECTS_DAMAGE",
     "EVICTION",
     "EVICTS",
     "GIL_FREE_COPY_BYTES",

@@ -20,6 +20,9 @@ class TestTemplate(L2AdapterSuite):
     # unreadable) declares BACKEND_FAILURES and overrides failing_storage(self, adapter),
     # a context manager inside which the real store fails and after which it is back with
     # its objects: the suite then checks a failing store is never answered "absent".
+    # One whose test can change a byte where an object is kept (its file, its row)
+    # declares DETECTS_DAMAGE and overrides damage_stored(self, adapter, key): the suite
+    # then checks a damaged object is never loaded and is not found again.
 
     def make_config(self) -> TemplateConfig:
         return TemplateConfig(max_size_gb=1 / 4096)  # 256 KiB, filled by the capacity tests

@@ -38,12 +38,14 @@ import pytest
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import L2Adapter, L2Op
 from lmcache_tiers.testing.l2_capabilities import L2CapabilityTests
+from lmcache_tiers.testing.l2_damage import DamageTests
 from lmcache_tiers.testing.l2_failures import BackendFailureTests
 from lmcache_tiers.testing.l2_immediate import ImmediateLookupTests
 from lmcache_tiers.testing.l2_integrity import IntegrityTests
 from lmcache_tiers.testing.l2_support import (
     BACKEND_FAILURES,
     CAPACITY,
+    DETECTS_DAMAGE,
     EVICTION,
     IMMEDIATE_HITS,
     IMMEDIATE_MISSES,
@@ -61,6 +63,7 @@ from lmcache_tiers.testing.l2_support import (
 __all__ = [
     "BACKEND_FAILURES",
     "CAPACITY",
+    "DETECTS_DAMAGE",
     "EVICTION",
     "IMMEDIATE_HITS",
     "IMMEDIATE_MISSES",
@@ -75,7 +78,9 @@ __all__ = [
 ]
 
 
-class L2AdapterSuite(L2CapabilityTests, ImmediateLookupTests, IntegrityTests, BackendFailureTests):
+class L2AdapterSuite(
+    L2CapabilityTests, ImmediateLookupTests, IntegrityTests, BackendFailureTests, DamageTests
+):
     """Behaviour every L2 adapter must show through the non-blocking interface."""
 
     # -- the round trip --------------------------------------------------------------------

@@ -37,6 +37,9 @@ IMMEDIATE_HITS = capability("immediate_hits")
 #: the suite can make the store fail (``failing_storage``): calls then raise, never
 #: answer "absent", so core keeps what was stored accounted and serves it once it is back
 BACKEND_FAILURES = capability("backend_failures")
+#: the suite can damage an object where the backend keeps it (``damage_stored``): its
+#: load then fails or misses, never succeeds with other bytes, and the record is removed
+DETECTS_DAMAGE = capability("detects_damage")
 
 Reopen = Callable[[L2Adapter], L2Adapter]
 
@@ -325,6 +328,14 @@ class L2SuiteBase(ComponentSuite):
         declaring ``BACKEND_FAILURES`` provides it."""
         raise NotImplementedError(
             f"{type(self).__name__} declares BACKEND_FAILURES but does not override failing_storage()"
+        )
+
+    def damage_stored(self, adapter: L2Adapter, key: ObjectKey) -> None:
+        """Change one byte of the object stored under ``key`` where the backend keeps it
+        (a file, a row, a server's value), behind the adapter's back: what a disk or a
+        network does to a record.  A suite declaring ``DETECTS_DAMAGE`` overrides it."""
+        raise NotImplementedError(
+            f"{type(self).__name__} declares DETECTS_DAMAGE but does not override damage_stored()"
         )
 
     # -- helpers ---------------------------------------------------------------------------
