@@ -64,7 +64,11 @@ def _claims() -> list[tuple[str, str]]:
     native = NativeConfig()
     shutdown_default = 10.0  # serve --shutdown-timeout, checked against --help below
     stop_bound = 2 * shutdown_default + _JOIN_GRACE_S + stuck_stop.GRACEFUL_CLOSE_WINDOW_S
+    torch_pin = re.search(r"^torch==\S+", (ROOT / "constraints.txt").read_text(), re.M)
+    assert torch_pin is not None
     return [
+        ("README.md", f"`constraints.txt`, which pins `{torch_pin.group(0)}` (the CPU build)"),
+        ("CONTRIBUTING.md", f"it pins `{torch_pin.group(0)}`, the CPU build"),
         (
             "README.md",
             f"capped at {defaults.DEFAULT_L2_CAPACITY_GB} GiB or "
