@@ -21,6 +21,7 @@ from lmcache_plugin_frontend_native import NativeConfig
 
 from lmcache_tiers import defaults
 from lmcache_tiers.cli import connect
+from lmcache_tiers.cli.replay_cmd import MAX_CLIENTS
 from lmcache_tiers.client import Client, spin
 from lmcache_tiers.client import connection as client_connection
 from lmcache_tiers.config import MAX_CONFIG_BYTES, MAX_GIB
@@ -28,6 +29,8 @@ from lmcache_tiers.l1.removal import REAP_BATCH
 from lmcache_tiers.l2.adapter import DEFAULT_ASYNC_CONCURRENCY, BackendAdapter
 from lmcache_tiers.l2.runners import Runner
 from lmcache_tiers.l2.state import MAX_OBJECT_BYTES
+from lmcache_tiers.replay.run import MAX_PACED_S
+from lmcache_tiers.replay.trace import MAX_LINE_BYTES
 from lmcache_tiers.router import RECEIVE_QUEUE_MESSAGES
 from lmcache_tiers.server import stuck_stop
 from lmcache_tiers.server.app import _JOIN_GRACE_S
@@ -128,6 +131,9 @@ def _claims() -> list[tuple[str, str]]:
             "docs/server.md",
             f"`close_backend_timeout_s` ({_seconds(BackendAdapter.close_backend_timeout_s)} s;",
         ),
+        ("docs/replay.md", f"a line longer than {MAX_LINE_BYTES // MIB} MiB"),
+        ("docs/replay.md", f"a schedule longer than {MAX_PACED_S / 86400:g} days"),
+        ("docs/replay.md", f"`--clients N` takes at most {MAX_CLIENTS} processes"),
         ("docs/plugin-guide.md", f"at most `concurrency` ({DEFAULT_ASYNC_CONCURRENCY}) at once"),
         (
             "docs/plugin-guide.md",
