@@ -100,8 +100,8 @@ def plugin_values(name: str, kind: SkeletonKind) -> dict[str, str]:
     """Every name the skeleton files are filled in with, derived from ``name``."""
     if not _NAME.match(name) or len(name) > _MAX_NAME:
         raise ConfigError(
-            f"plugin name {name!r} must be lowercase letters and digits in words joined by '-' "
-            f"(e.g. my-store), at most {_MAX_NAME} characters"
+            f"plugin name {name!r} must be lowercase letters and digits in words joined by '-', "
+            f"starting with a letter (e.g. my-store), at most {_MAX_NAME} characters"
         )
     skeleton = _SKELETONS[kind]
     component = name.replace("-", "_")
