@@ -23,6 +23,14 @@ from lmcache_tiers.client import Client
 
 SIGNALS = pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 
+#: every signal serve stops on: before the command's handling is in place each is one line
+#: (SIGHUP and SIGQUIT ended the process silently there, exit -1 and -3)
+START_SIGNALS = pytest.mark.parametrize(
+    "sig",
+    [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT],
+    ids=["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"],
+)
+
 #: run in the replay's process before the command: MODULE's ATTRIBUTE (a dotted path in it)
 #: is wrapped so that, once the wrapped call has run, the file MARKER is created and the
 #: call waits
@@ -282,7 +290,7 @@ def test_ctrl_c_as_the_replay_loads_its_modules_is_one_line(tmp_path: Path) -> N
     assert _one_error_line(err) == "error: interrupted (SIGINT) while starting; nothing was replayed"
 
 
-@SIGNALS
+@START_SIGNALS
 def test_a_signal_as_the_plugins_load_is_one_line(tmp_path: Path, sig: int) -> None:
     """SIGTERM before the command's handlers were in place (the plugins loading, a second
     on a loaded machine) ended the process silently: exit -15, not a word."""
@@ -305,7 +313,7 @@ _ENTRY_POINT_HELD = _HELD_IMPORT.replace(
 )
 
 
-@SIGNALS
+@START_SIGNALS
 def test_a_signal_as_the_entry_point_imports_is_one_line(tmp_path: Path, sig: int) -> None:
     """The console script imports the command line's modules (typer, rich, the config)
     before calling main: Ctrl-C there printed a KeyboardInterrupt traceback, SIGTERM ended

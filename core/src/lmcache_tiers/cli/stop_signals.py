@@ -1,9 +1,10 @@
-"""SIGTERM and Ctrl-C from the first instant of a command: one line and exit 128 + the signal.
+"""Stop signals from the first instant of a command: one line and exit 128 + the signal.
 
 The command's own handling (serve's stop, the replay's unwinding) is in place only once
 its modules loaded, the plugins were discovered and its options parsed, a second or more
-on a loaded machine.  Before that SIGTERM ended the process silently (exit -15) and a
-Ctrl-C while the entry point imported printed a KeyboardInterrupt traceback.  This module
+on a loaded machine.  Before that SIGTERM, SIGHUP and SIGQUIT ended the process silently
+(exit -15, -1, -3) and a Ctrl-C while the entry point imported printed a KeyboardInterrupt
+traceback.  This module
 imports nothing but the standard library, so that the entry point installs it before
 anything heavy.
 """
@@ -23,6 +24,10 @@ SIGNAL_MARK = "replay_signal"
 #: set once start-up is over (``command_running``): a stop signal from then on stopped the
 #: command, it did not come as the command started
 _running = threading.Event()
+
+#: the stop signals whose default action ends the process with no word: they raise instead
+#: (SIGINT raises KeyboardInterrupt by itself).  The signals serve stops on, all of them.
+RAISING = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 def unwinding(signum: int) -> BaseException:
@@ -47,23 +52,23 @@ def _raise_stop(signum: int, _frame: Any) -> None:
     # A second signal takes its default action (the process ends at once), never SIG_IGN:
     # code the first one unwinds through may swallow it (a plugin's `except BaseException`),
     # and the command would then run on deaf to SIGTERM and Ctrl-C.
-    for each in (signal.SIGTERM, signal.SIGINT):
+    for each in (*RAISING, signal.SIGINT):
         if signal.getsignal(each) in (_raise_stop, signal.default_int_handler):
             signal.signal(each, signal.SIG_DFL)
     raise unwinding(signum)
 
 
 def handed_over() -> None:
-    """The command puts its own stop handling in place now (serve): SIGTERM goes back to
-    its default action, which that handling records and puts back when it is done.  Left
+    """The command puts its own stop handling in place now (serve): SIGTERM, SIGHUP and
+    SIGQUIT go back to their default action, which that handling records and puts back when it is done.  Left
     raising, a SIGTERM after the server stopped (the process lingering for threads stuck
     in calls) unwound past the exit that leaves those threads behind, with a line saying
     it came as the command started."""
-    if (
-        threading.current_thread() is threading.main_thread()
-        and signal.getsignal(signal.SIGTERM) is _raise_stop
-    ):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in RAISING:
+        if signal.getsignal(sig) is _raise_stop:
+            signal.signal(sig, signal.SIG_DFL)
 
 
 @contextlib.contextmanager
@@ -87,7 +92,8 @@ def command_running() -> Iterator[None]:
 
 @contextlib.contextmanager
 def ended_at_start() -> Iterator[None]:
-    """Run the command with SIGTERM raising (SIGINT raises KeyboardInterrupt already); a
+    """Run the command with SIGTERM, SIGHUP and SIGQUIT raising (SIGINT raises
+    KeyboardInterrupt already); a
     stop signal nothing else reported is one line on stderr and exit 128 + the signal:
     "as the command started" before :func:`command_running`, "stopped by" after it.
 
@@ -98,9 +104,10 @@ def ended_at_start() -> Iterator[None]:
         yield
         return
     _running.clear()  # (tests run the entry point many times in one process)
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    if previous[signal.SIGTERM] == signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _raise_stop)
+    previous = {sig: signal.getsignal(sig) for sig in (*RAISING, signal.SIGINT)}
+    for sig in RAISING:
+        if previous[sig] == signal.SIG_DFL:
+            signal.signal(sig, _raise_stop)
     try:
         yield
     except (KeyboardInterrupt, SystemExit) as exc:
