@@ -176,7 +176,7 @@ def test_objects_lost_at_close_are_named_as_such() -> None:
 
 def test_nothing_accounted_after_reopening_is_not_taken_for_an_older_version() -> None:
     message = failure_of(ForgetsOnClose, "test_overwrites_survive_reopening")
-    assert message.endswith(": nothing outlived close()")
+    assert message.endswith(": nothing outlived close(), or list_keys() listed nothing")
 
 
 def test_immediate_misses_declared_without_contains_many_now_say_what_is_missing() -> None:
@@ -206,3 +206,38 @@ def test_lookups_of_deleted_keys_that_hit_are_named() -> None:
 def test_a_short_load_of_a_pinned_key_is_named() -> None:
     message = failure_of(ShortLoads, "test_pins_between_lookup_and_load_block_delete")
     assert message.startswith("the load gave other bytes: object 0: bytes")
+
+
+class ListsKeysWithoutSizes(DictBackend):
+    """Lists bare keys, not (key, size) pairs: the start-up scan ignores every entry."""
+
+    def list_keys(self) -> list[ObjectKey]:  # type: ignore[override]
+        with self.lock:
+            return list(self.objects)
+
+
+class ListsSizesPlusOne(DictBackend):
+    """Lists each object one byte larger than stored (a record's header counted, say)."""
+
+    def list_keys(self) -> list[tuple[ObjectKey, int]]:
+        with self.lock:
+            return [(key, len(value) + 1) for key, value in self.objects.items()]
+
+
+def test_a_listing_the_scan_ignores_is_named() -> None:
+    assert "the start-up scan ignored 4 listed entries as invalid (scan_invalid_entries)" in failure_of(
+        ListsKeysWithoutSizes, "test_objects_survive_reopening"
+    )
+    assert failure_of(ListsKeysWithoutSizes, "test_usage_is_known_right_after_reopening").endswith(
+        "(the scan ignored 5 listed entries as not (key, size) pairs)"
+    )
+    assert failure_of(ListsKeysWithoutSizes, "test_overwrites_survive_reopening").endswith(
+        ": the start-up scan ignored 2 listed entries as invalid"
+        " (list_keys() yields (key, stored size) pairs)"
+    )
+
+
+def test_listed_sizes_other_than_stored_are_not_only_taken_for_an_older_version() -> None:
+    assert "the listing's sizes are not the stored sizes (a record header counted?)" in failure_of(
+        ListsSizesPlusOne, "test_overwrites_survive_reopening"
+    )

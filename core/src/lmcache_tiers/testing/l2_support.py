@@ -106,11 +106,14 @@ def changes(loaded: Sequence[bytes], stored: Sequence[bytes]) -> str:
     return "; ".join(told) if told else "no object differs"
 
 
-def listing_differs(listed: Iterable[ObjectKey], expected: Iterable[ObjectKey], stored: int) -> str:
+def listing_differs(
+    listed: Iterable[ObjectKey], expected: Iterable[ObjectKey], stored: int, invalid: int = 0
+) -> str:
     """How a listing after reopening differs from the keys it should name, of ``stored``
     keys stored before: keys missing (objects that did not outlive ``close()``, or names
     the listing cannot decode back to their keys) or keys it names that it should not
-    (deleted ones, or another key's name)."""
+    (deleted ones, or another key's name); ``invalid``: the entries the start-up scan
+    ignored (``scan_invalid_entries``)."""
     listed_set, expected_set = set(listed), set(expected)
     missing, extra = expected_set - listed_set, listed_set - expected_set
     told = [f"after reopening, the listing names {len(listed_set)} keys of the {stored} stored"]
@@ -124,7 +127,23 @@ def listing_differs(listed: Iterable[ObjectKey], expected: Iterable[ObjectKey], 
             f"{len(extra)} it should not name (deleted, or not stored), e.g. "
             + repr(sorted(extra, key=repr)[0])
         )
+    if invalid:
+        told.append(
+            f"the start-up scan ignored {invalid} listed entries as invalid (scan_invalid_entries):"
+            " list_keys() yields (key, stored size) pairs"
+        )
     return "; ".join(told)
+
+
+def invalid_entries(adapter: L2Adapter) -> int:
+    """The listed entries the adapter's start-up scan ignored as not (key, size) pairs."""
+    return int(adapter.stats().get("scan_invalid_entries", 0))
+
+
+def listing_note(adapter: L2Adapter) -> str:
+    """What the start-up scan ignored, for a message about what it accounted."""
+    invalid = invalid_entries(adapter)
+    return f" (the scan ignored {invalid} listed entries as not (key, size) pairs)" if invalid else ""
 
 
 def _changed(guard: memoryview) -> np.ndarray:
