@@ -55,6 +55,10 @@ def _checked(key: bytes | None, where: str, found: str, expected: str = _EXPECTE
     return key
 
 
+#: the key files and modes warned about already (as given in the config, mode as read)
+_warned_modes: set[tuple[str, int]] = set()
+
+
 def read_key_file(path: str, field: str = "key_file") -> bytes:
     """The key stored in ``path``: exactly 32 raw bytes, or 64 hex digits / base64 text;
     ``field`` names the config field in errors."""
@@ -69,7 +73,9 @@ def read_key_file(path: str, field: str = "key_file") -> bytes:
             content = handle.read(_MAX_KEY_FILE + 1)
     except OSError as exc:
         raise ConfigError(f"aesgcm: {where} cannot be read: {exc.strerror or exc}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+    if mode & (stat.S_IRWXG | stat.S_IRWXO) and (path, mode) not in _warned_modes:
+        # once per file and mode: start-up reads each key twice (its checks, then the serde)
+        _warned_modes.add((path, mode))
         log.warning(
             "aesgcm: %s is accessible to group or others (mode %03o); restrict it with chmod 600",
             where,
