@@ -42,18 +42,22 @@ logger = logging.getLogger(__name__)
 #: frames kept of one message: identity, uid, op and up to 13 arguments (LMCache's widest
 #: operation takes 7)
 MAX_FRAMES = 16
-#: unanswered requests logged per second; the rest are counted, then summed up in one line
-LOG_LINES_PER_SECOND = 20
+#: unanswered requests logged per window of LOG_WINDOW_S; the rest are counted, then summed
+#: up in the next line logged.  A minute, as the native front end's: one broken client
+#: sending refused requests without pause would otherwise write 72,000 lines an hour
+LOG_LINES_PER_WINDOW = 20
+LOG_WINDOW_S = 60.0
 #: operations whose work on the pool (pickled chunks) the stop gives up on, and counts,
 #: itself: it holds reservations or read locks to give back (Transfers.release_everything)
 _GIVEN_UP_BY_TRANSFERS = frozenset({"commit_store", "prepare_retrieve"})
 
 
 class _LineBudget:
-    """At most ``per_second`` log lines a second; reports how many it held back."""
+    """At most ``lines`` log lines a window of ``window_s``; reports how many it held back."""
 
-    def __init__(self, per_second: int) -> None:
-        self.per_second = per_second
+    def __init__(self, lines: int, window_s: float) -> None:
+        self.lines = lines
+        self.window_s = window_s
         self._window = 0.0
         self._used = 0
         self._held = 0
@@ -61,9 +65,9 @@ class _LineBudget:
     def take(self) -> tuple[bool, int]:
         """(may log now, lines held back since the last one logged)."""
         now = time.monotonic()
-        if now - self._window >= 1.0:
+        if now - self._window >= self.window_s:
             self._window, self._used = now, 0
-        if self._used >= self.per_second:
+        if self._used >= self.lines:
             self._held += 1
             return False, 0
         self._used += 1
@@ -105,7 +109,7 @@ class MPServer:
             drain_timeout_s=drain_timeout_s,
         )
         self.socket = self.router.socket
-        self._budget = _LineBudget(LOG_LINES_PER_SECOND)
+        self._budget = _LineBudget(LOG_LINES_PER_WINDOW, LOG_WINDOW_S)
         #: requests handed to the pool and not answered yet (loop thread only)
         self._in_pool: set[_PoolRequest] = set()
         #: the first frame of the message being handled, which knows its descriptor
