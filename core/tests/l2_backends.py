@@ -8,7 +8,9 @@ import sys
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
+
+import msgspec
 
 from lmcache_tiers.config import L2AdapterConfig
 from lmcache_tiers.controllers.l2_eviction import L2EvictionController
@@ -30,10 +32,16 @@ T = TypeVar("T")
 class DictConfig(L2AdapterConfig):
     """Objects in a process-wide dict (shared per namespace), optionally as records."""
 
-    namespace: str = ""
-    capacity: int | None = None
-    # store header + payload and verify both on every read, as a persistent backend does
-    records: bool = False
+    namespace: Annotated[str, msgspec.Meta(description="The shared dict this adapter stores in.")] = ""
+    capacity: Annotated[int | None, msgspec.Meta(description="Bytes it holds at most; None: no limit.")] = (
+        None
+    )
+    records: Annotated[
+        bool,
+        msgspec.Meta(
+            description="Store header and payload and verify both on every read, as persistent backends do."
+        ),
+    ] = False
 
 
 _SPACES: dict[str, dict[ObjectKey, bytes]] = {}

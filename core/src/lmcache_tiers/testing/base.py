@@ -8,6 +8,7 @@ from typing import Any, ClassVar, TypeVar
 import msgspec
 import pytest
 
+from lmcache_tiers.config_docs import component_fields
 from lmcache_tiers.plugins import load_plugins
 from lmcache_tiers.registry import Component, ComponentRegistry, Kind
 
@@ -67,6 +68,16 @@ class ComponentSuite:
         assert issubclass(config, msgspec.Struct)
         assert config.__struct_config__.frozen
         assert config.__struct_config__.forbid_unknown_fields
+
+    def test_every_config_field_is_documented(self) -> None:
+        # `plugins show` and the generated configuration reference print these descriptions:
+        # a field without one leaves operators guessing what it does
+        config = self.registered_component().config
+        undocumented = [field.name for field in component_fields(config) if not field.doc.strip()]
+        assert not undocumented, (
+            f"{self.component_name}: config fields without a description: {', '.join(undocumented)}"
+            " (give each Annotated[<type>, msgspec.Meta(description=...)])"
+        )
 
     def test_factory_loads(self) -> None:
         assert callable(self.registered_component().load())
