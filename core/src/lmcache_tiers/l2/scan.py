@@ -220,10 +220,11 @@ class KeyScan:
         if self.invalid:
             self.state.count("scan_invalid_entries", self.invalid)
             log.warning(
-                "%s: %d listed entries were not (key, size) pairs or had an impossible size (%d: "
-                "past any object's); ignored",
+                "%s: %d listed entries ignored: %d not (key, size) pairs, %d with an impossible size "
+                "(past any object's)",
                 self.state.name,
                 self.invalid,
+                self.invalid - self.impossible,
                 self.impossible,
             )
         if self.past_capacity:
