@@ -637,7 +637,9 @@ def _compressible(tag: str, count: int) -> list[np.ndarray[Any, Any]]:
 
 
 @pytest.mark.parametrize("restart", [False, True], ids=["l1-cleared", "restarted"])
-@pytest.mark.parametrize("chain", ["zstd", "aesgcm", "zstd,aesgcm"])
+# aesgcm alone is left out: in "zstd,aesgcm" it is the outer layer, the first to read a
+# forged record, exactly as alone (and each chain costs every store two server runs)
+@pytest.mark.parametrize("chain", ["zstd", "zstd,aesgcm"])
 def test_records_re_signed_around_payloads_the_chain_did_not_write_are_misses(
     tmp_path: Path, store: tuple[str, dict[str, Any], dict[str, str], Objects], chain: str, restart: bool
 ) -> None:
