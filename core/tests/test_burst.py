@@ -88,7 +88,7 @@ def test_warnings_held_back_are_logged_once_their_window_ends_or_at_the_stop(
         burst.warn("dropped", "%s dropped", "d")
         assert len(caplog.records) == 2
         report_held_back()  # the stop: every kind, whatever its window
-        assert (
-            caplog.records[-1].getMessage()
-            == "d dropped (1 like it held back in the last 10 s, this the last)"
-        )
+        # (every BurstLog of the process reports: an adapter of an earlier test in this
+        # worker may have its own line held back, so only this logger's lines count)
+        own = [record.getMessage() for record in caplog.records if record.name == log.name]
+        assert own[-1] == "d dropped (1 like it held back in the last 10 s, this the last)"
