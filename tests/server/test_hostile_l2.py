@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import struct
-import time
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -19,6 +17,7 @@ from typing import Any
 import blake3
 import numpy as np
 import pytest
+from hostile_support import exported, read_each, wait_stored, warned_about
 from shared_stores import STARTERS
 from tiers_e2e import ServerProcess, digest, fetch, make_keys, make_payloads, start_server
 
@@ -258,41 +257,6 @@ def _backend(client: Client) -> dict[str, int]:
     return stats
 
 
-def _wait_stored(client: Client, count: int) -> None:
-    deadline = time.monotonic() + 60
-    while client.status()["adapters"][0]["keys_stored"] < count:
-        assert time.monotonic() < deadline, "the store controller never wrote the chunks to L2"
-        time.sleep(0.05)
-
-
-def _exported(text: str, stats: tuple[str, ...]) -> float:
-    """The sum of the adapter stats ``stats`` as /metrics exports them."""
-    total = 0.0
-    for line in text.splitlines():
-        match = re.match(r'lmcache_tiers_adapter_stat\{[^}]*stat="([a-z_]+)"[^}]*\} (\S+)$', line)
-        if match and match.group(1) in stats:
-            total += float(match.group(2))
-    return total
-
-
-def _warned_about(log: str, keys: list[ObjectKey]) -> list[str]:
-    """The keys a WARNING line of ``log`` names."""
-    warnings = [line for line in log.splitlines() if " WARNING " in line]
-    return [key.file_stem() for key in keys if any(key.file_stem() in line for line in warnings)]
-
-
-def _read_each(client: Client, keys: list[ObjectKey], expected: list[str]) -> list[bool]:
-    """Whether each key hit (alone); every hit's bytes checked against what was stored."""
-    hits = []
-    for key, want in zip(keys, expected, strict=True):
-        found = client.lookup([key])
-        if found:
-            with client.retrieve([key]) as views:
-                assert digest(views) == [want], f"{key.file_stem()}: wrong bytes handed out"
-        hits.append(bool(found))
-    return hits
-
-
 def _metrics(server: ServerProcess) -> str:
     assert server.http_url is not None
     status, _, body = fetch(server.http_url + "/metrics")
@@ -315,7 +279,7 @@ def test_every_damaged_or_misplaced_record_is_a_counted_miss(
     try:
         with Client(server.url, timeout=60) as client:
             assert client.store(keys + spares, payloads + spare_payload) == count + 1
-            _wait_stored(client, count + 1)
+            wait_stored(client, count + 1)
             other = objects.read(objects.find(spares[0]))
             names = [objects.find(key) for key in keys]
             for (_, damage), name in zip(DAMAGE, names[1:], strict=False):
@@ -332,7 +296,7 @@ def test_every_damaged_or_misplaced_record_is_a_counted_miss(
             assert found <= 1
             with client.retrieve(keys[:found]) as views:
                 assert digest(views) == expected[:found]
-            hits = _read_each(client, keys, expected)
+            hits = read_each(client, keys, expected)
             served = [label for (label, _), hit in zip(DAMAGE, hits[1:-1], strict=True) if hit]
             assert hits[0] and hits[-1], "an intact record was lost"
             # A load of a key mooncake knows reads the ranges of the record it stored
@@ -342,23 +306,23 @@ def test_every_damaged_or_misplaced_record_is_a_counted_miss(
             assert set(served) <= allowed, f"damaged records served: {served}"
             backend = _backend(client)
             # Read again: still misses (the bad object is gone or known to be bad).
-            again = _read_each(client, keys[1:-1], expected[1:-1])
+            again = read_each(client, keys[1:-1], expected[1:-1])
             assert [label for (label, _), hit in zip(DAMAGE, again, strict=True) if hit] == served
             # Stored again, each key hits with its bytes.
             client.clear(force=True)
             assert client.store(keys[1:-1], payloads[1:-1]) == len(DAMAGE)
-            _wait_stored(client, len(DAMAGE) + (0 if restart else count + 1))
+            wait_stored(client, len(DAMAGE) + (0 if restart else count + 1))
             client.clear(force=True)
-            assert _read_each(client, keys[1:-1], expected[1:-1]) == [True] * len(DAMAGE)
+            assert read_each(client, keys[1:-1], expected[1:-1]) == [True] * len(DAMAGE)
         refused = sum(backend.get(name, 0) for name in REFUSAL_COUNTERS)
         # Mooncake holds no empty object: "emptied" removed it, a plain miss
         # (objects_vanished), no record to refuse.
         removed = 1 if store_name == "mooncake" else 0
         assert refused >= len(DAMAGE) - len(served) - removed, backend
-        assert _exported(_metrics(server), REFUSAL_COUNTERS) >= refused
+        assert exported(_metrics(server), REFUSAL_COUNTERS) >= refused
         # Repeated warnings are rate-limited: some damaged key is named, with its adapter.
         log = (server.log_dir / "stderr.txt").read_text(errors="replace")
-        assert _warned_about(log, keys[1:-1]), log[-4000:]
+        assert warned_about(log, keys[1:-1]), log[-4000:]
         assert f"0:{adapter['type']}" in log or adapter["type"] in log
     finally:
         server.stop()
@@ -396,14 +360,14 @@ def test_a_key_another_server_stored_again_with_other_bytes_is_never_a_mix(
     try:
         with Client(first.url, timeout=60) as client:
             assert client.store(keys, mine) == count
-            _wait_stored(client, count)
+            wait_stored(client, count)
         second = start_server(tmp_path / "second", adapters=[adapter], env=env)
         with Client(second.url, timeout=60) as client:
             client.clear(force=True)
             # Every other key: the first server's records of the rest stay.
             replaced = keys[1::2]
             assert client.store(replaced, theirs[1::2]) == len(replaced)
-            _wait_stored(client, len(replaced))
+            wait_stored(client, len(replaced))
         with Client(first.url, timeout=60) as client:
             client.clear(force=True)
             found = client.lookup(keys)
@@ -531,7 +495,7 @@ def test_records_with_a_valid_header_crc_and_impossible_fields_are_misses(
     try:
         with Client(server.url, timeout=60) as client:
             assert client.store(keys, payloads) == count
-            _wait_stored(client, count)
+            wait_stored(client, count)
             for (_, forge, _), key in zip(FORGED, keys[1:], strict=True):
                 name = objects.find(key)
                 objects.write(name, forge(objects.read(name)))
@@ -546,7 +510,7 @@ def test_records_with_a_valid_header_crc_and_impossible_fields_are_misses(
                 assert digest(views) == expected[:found]
             client.release(keys[:found])
             client.clear(force=True)
-            hits = _read_each(client, keys, expected)
+            hits = read_each(client, keys, expected)
             assert hits[0], "an intact record was lost"
             served = {name for (name, _, _), hit in zip(FORGED, hits[1:], strict=True) if hit}
             allowed = {name for name, _, may in FORGED if may}
@@ -555,9 +519,9 @@ def test_records_with_a_valid_header_crc_and_impossible_fields_are_misses(
             client.clear(force=True)
             before = client.status()["adapters"][0]["keys_stored"]
             assert client.store(keys[1:], payloads[1:]) == len(FORGED)
-            _wait_stored(client, before + len(FORGED) - len(served))
+            wait_stored(client, before + len(FORGED) - len(served))
             client.clear(force=True)
-            assert _read_each(client, keys[1:], expected[1:]) == [True] * len(FORGED)
+            assert read_each(client, keys[1:], expected[1:]) == [True] * len(FORGED)
     finally:
         server.stop()
 
@@ -666,7 +630,7 @@ def test_records_re_signed_around_payloads_the_chain_did_not_write_are_misses(
     try:
         with Client(server.url, timeout=60) as client:
             assert client.store(keys, payloads) == count
-            _wait_stored(client, count)
+            wait_stored(client, count)
             other = objects.read(objects.find(keys[-1]))
             for (_, forge), key in zip(cases, keys[1:-1], strict=True):
                 name = objects.find(key)
@@ -677,7 +641,7 @@ def test_records_re_signed_around_payloads_the_chain_did_not_write_are_misses(
             else:
                 client.clear(force=True)
         with Client(server.url, timeout=60) as client:
-            hits = _read_each(client, keys, expected)
+            hits = read_each(client, keys, expected)
             assert hits[0] and hits[-1], "an intact record was lost"
             served = [name for (name, _), hit in zip(cases, hits[1:-1], strict=True) if hit]
             # Every hit had the stored bytes (checked above).  A load of a key the server
@@ -690,9 +654,9 @@ def test_records_re_signed_around_payloads_the_chain_did_not_write_are_misses(
             client.clear(force=True)
             before = client.status()["adapters"][0]["keys_stored"]
             assert client.store(keys[1:-1], payloads[1:-1]) == len(cases)
-            _wait_stored(client, before + len(cases))
+            wait_stored(client, before + len(cases))
             client.clear(force=True)
-            assert _read_each(client, keys[1:-1], expected[1:-1]) == [True] * len(cases)
+            assert read_each(client, keys[1:-1], expected[1:-1]) == [True] * len(cases)
     finally:
         server.stop()
 
@@ -717,14 +681,14 @@ def test_a_record_file_with_an_unpadded_header_is_a_kept_miss_that_does_not_wedg
         try:
             with Client(server.url, timeout=60) as client:
                 assert client.store(keys, payloads) == 2
-                _wait_stored(client, 2)
+                wait_stored(client, 2)
             assert server.stop() == 0, server.output()
             name = objects.find(keys[1])
             objects.write(name, _unpadded(objects.read(name)))
             server = start_server(tmp_path / "second", adapters=[config], env=env)
             with Client(server.url, timeout=60) as client:
-                assert _read_each(client, keys, expected) == [True, False]
-                assert _read_each(client, keys, expected) == [True, False]
+                assert read_each(client, keys, expected) == [True, False]
+                assert read_each(client, keys, expected) == [True, False]
                 backend = _backend(client)
                 assert backend.get("load_keys_failed", 0) >= 1, backend
                 assert backend.get("corrupt_records_removed", 0) == 0, backend
@@ -733,8 +697,8 @@ def test_a_record_file_with_an_unpadded_header_is_a_kept_miss_that_does_not_wedg
                 assert keys[1].file_stem() in log, log[-4000:]
                 # Stored again, it hits.
                 assert client.store(keys[1:], payloads[1:]) == 1
-                _wait_stored(client, 1)
+                wait_stored(client, 1)
                 client.clear(force=True)
-                assert _read_each(client, keys, expected) == [True, True]
+                assert read_each(client, keys, expected) == [True, True]
         finally:
             server.stop()

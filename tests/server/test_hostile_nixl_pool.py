@@ -6,15 +6,14 @@ bytes), another slot's bytes copied in.  Each load of such a slot is a miss, cou
 from __future__ import annotations
 
 import importlib.util
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hostile_support import read_each, wait_stored
 from tiers_e2e import digest, make_keys, make_payloads, start_server
 
 from lmcache_tiers.client import Client
-from lmcache_tiers.keys import ObjectKey
 
 if importlib.util.find_spec("lmcache_plugin_nixl") is None:
     pytest.skip("lmcache-plugin-nixl is not installed", allow_module_level=True)
@@ -48,24 +47,6 @@ def _slot_of(directory: Path, payload: bytes) -> Path:
     return found[0]
 
 
-def _read_each(client: Client, keys: list[ObjectKey], expected: list[str]) -> list[bool]:
-    hits = []
-    for key, want in zip(keys, expected, strict=True):
-        found = client.lookup([key])
-        if found:
-            with client.retrieve([key]) as views:
-                assert digest(views) == [want], f"{key.file_stem()}: wrong bytes handed out"
-        hits.append(bool(found))
-    return hits
-
-
-def _wait_stored(client: Client, count: int) -> None:
-    deadline = time.monotonic() + 60
-    while client.status()["adapters"][0]["keys_stored"] < count:
-        assert time.monotonic() < deadline, "the store controller never wrote the chunks to L2"
-        time.sleep(0.05)
-
-
 def test_every_changed_slot_file_is_a_counted_miss(tmp_path: Path) -> None:
     directory = tmp_path / "pool"
     adapter = {
@@ -83,7 +64,7 @@ def test_every_changed_slot_file_is_a_counted_miss(tmp_path: Path) -> None:
     try:
         with Client(server.url, timeout=60) as client:
             assert client.store(keys, arrays) == count
-            _wait_stored(client, count)
+            wait_stored(client, count)
             slots = [_slot_of(directory, payload) for payload in payloads]
             for (_, damage), slot, own in zip(DAMAGE, slots[1:], payloads[1:], strict=False):
                 slot.write_bytes(damage(own, payloads[-1]))
@@ -94,19 +75,19 @@ def test_every_changed_slot_file_is_a_counted_miss(tmp_path: Path) -> None:
                 assert digest(views) == expected[:found]
             client.release(keys[:found])
             client.clear(force=True)
-            hits = _read_each(client, keys, expected)
+            hits = read_each(client, keys, expected)
             assert hits[0] and hits[-1], "an intact slot was lost"
             served = [name for (name, _), hit in zip(DAMAGE, hits[1:-1], strict=True) if hit]
             assert served == [], f"changed slots served: {served}"
-            assert _read_each(client, keys[1:-1], expected[1:-1]) == [False] * len(DAMAGE)
+            assert read_each(client, keys[1:-1], expected[1:-1]) == [False] * len(DAMAGE)
             backend = client.status()["adapters"][0]["backend"]
             assert backend.get("corrupt_slots_dropped", 0) >= len(DAMAGE), backend
             client.clear(force=True)
             before = client.status()["adapters"][0]["keys_stored"]
             assert client.store(keys[1:-1], arrays[1:-1]) == len(DAMAGE)
-            _wait_stored(client, before + len(DAMAGE))
+            wait_stored(client, before + len(DAMAGE))
             client.clear(force=True)
-            assert _read_each(client, keys[1:-1], expected[1:-1]) == [True] * len(DAMAGE)
+            assert read_each(client, keys[1:-1], expected[1:-1]) == [True] * len(DAMAGE)
         log = (server.log_dir / "stderr.txt").read_text(errors="replace")
         named = [key.file_stem() for key in keys[1:-1] if key.file_stem() in log]
         assert named, log[-4000:]

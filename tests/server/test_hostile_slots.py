@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hostile_support import exported, read_each, wait_stored, warned_about
 from tiers_e2e import digest, fetch, make_keys, make_payloads, start_server
 
 from lmcache_tiers.client import Client
@@ -140,40 +139,6 @@ DAMAGE: list[tuple[str, Damage]] = [
 ]
 
 
-def _wait_stored(client: Client, count: int) -> None:
-    deadline = time.monotonic() + 60
-    while client.status()["adapters"][0]["keys_stored"] < count:
-        assert time.monotonic() < deadline, "the store controller never wrote the chunks to L2"
-        time.sleep(0.05)
-
-
-def _exported(text: str, stats: tuple[str, ...]) -> float:
-    """The sum of the adapter stats ``stats`` as /metrics exports them."""
-    total = 0.0
-    for line in text.splitlines():
-        match = re.match(r'lmcache_tiers_adapter_stat\{[^}]*stat="([a-z_]+)"[^}]*\} (\S+)$', line)
-        if match and match.group(1) in stats:
-            total += float(match.group(2))
-    return total
-
-
-def _warned_about(log: str, keys: list[ObjectKey]) -> list[str]:
-    """The keys a WARNING line of ``log`` names."""
-    warnings = [line for line in log.splitlines() if " WARNING " in line]
-    return [key.file_stem() for key in keys if any(key.file_stem() in line for line in warnings)]
-
-
-def _read_each(client: Client, keys: list[ObjectKey], expected: list[str]) -> list[bool]:
-    hits = []
-    for key, want in zip(keys, expected, strict=True):
-        found = client.lookup([key])
-        if found:
-            with client.retrieve([key]) as views:
-                assert digest(views) == [want], f"{key.file_stem()}: wrong bytes handed out"
-        hits.append(bool(found))
-    return hits
-
-
 @pytest.mark.parametrize("restart", [False, True], ids=["l1-cleared", "restarted"])
 @pytest.mark.parametrize("kind", ["raw_block", "dax"])
 def test_every_damaged_slot_is_a_counted_miss(
@@ -190,7 +155,7 @@ def test_every_damaged_slot_is_a_counted_miss(
     try:
         with Client(server.url, timeout=60) as client:
             assert client.store(keys, arrays[:count]) == count
-            _wait_stored(client, count)
+            wait_stored(client, count)
             if restart:
                 assert server.stop() == 0, server.output()
             for (_, damage), key, own in zip(DAMAGE, keys[1:], payloads[1:], strict=False):
@@ -204,25 +169,25 @@ def test_every_damaged_slot_is_a_counted_miss(
             assert found <= 1
             with client.retrieve(keys[:found]) as views:
                 assert digest(views) == expected[:found]
-            hits = _read_each(client, keys, expected)
+            hits = read_each(client, keys, expected)
             served = [label for (label, _), hit in zip(DAMAGE, hits[1:-1], strict=True) if hit]
             assert hits[0] and hits[-1], "an intact slot was lost"
             assert served == [], f"damaged slots served: {served}"
-            assert _read_each(client, keys[1:-1], expected[1:-1]) == [False] * len(DAMAGE)
+            assert read_each(client, keys[1:-1], expected[1:-1]) == [False] * len(DAMAGE)
             backend = client.status()["adapters"][0]["backend"]
             client.clear(force=True)
             stored_before = client.status()["adapters"][0]["keys_stored"]
             assert client.store(keys[1:-1], arrays[1 : count - 1]) == len(DAMAGE)
-            _wait_stored(client, stored_before + len(DAMAGE))
+            wait_stored(client, stored_before + len(DAMAGE))
             client.clear(force=True)
-            assert _read_each(client, keys[1:-1], expected[1:-1]) == [True] * len(DAMAGE)
+            assert read_each(client, keys[1:-1], expected[1:-1]) == [True] * len(DAMAGE)
         refused = sum(backend.get(name, 0) for name in REFUSAL_COUNTERS)
         uncounted = ZEROED_ENTRIES if kind == "dax" and restart else 0
         assert refused >= len(DAMAGE) - uncounted, backend
         assert server.http_url is not None
         status, _, text = fetch(server.http_url + "/metrics")
-        assert status == 200 and _exported(text, REFUSAL_COUNTERS) >= refused
+        assert status == 200 and exported(text, REFUSAL_COUNTERS) >= refused
         log = (server.log_dir / "stderr.txt").read_text(errors="replace")
-        assert _warned_about(log, keys[1:-1]) and f"{kind}:" in log, log[-4000:]
+        assert warned_about(log, keys[1:-1]) and f"{kind}:" in log, log[-4000:]
     finally:
         server.stop()
