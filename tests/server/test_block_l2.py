@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing
-import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -14,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from block_stores import block_adapter_spec, image_directory, skip_without_block_plugins
 from tiers_e2e import (
     digest,
     job_lookup_retrieve,
@@ -29,9 +27,7 @@ from tiers_e2e import (
 
 from lmcache_tiers.client import Client
 
-for _module in ("lmcache_plugin_raw_block", "lmcache_plugin_dax"):
-    if importlib.util.find_spec(_module) is None:
-        pytest.skip(f"{_module} is not installed", allow_module_level=True)
+skip_without_block_plugins()
 
 SPAWN = multiprocessing.get_context("spawn")
 CHUNK = 128 << 10
@@ -41,30 +37,11 @@ EVICTION = {"eviction_policy": "LRU", "trigger_watermark": 0.8, "eviction_ratio"
 
 @pytest.fixture
 def storage() -> Iterator[Path]:
-    """A directory in /dev/shm (dax maps its file shared; raw_block's file takes O_DIRECT there)."""
-    directory = Path(tempfile.mkdtemp(prefix="lmcache-block-e2e-", dir="/dev/shm"))
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
+    yield from image_directory("lmcache-block-e2e-")
 
 
 def adapter_spec(kind: str, directory: Path) -> dict[str, Any]:
-    if kind == "raw_block":
-        slot = CHUNK + 4096
-        return {
-            "type": "raw_block",
-            "device_path": str(directory / "raw_block.img"),
-            "slot_bytes": slot,
-            "capacity_bytes": (SLOTS + 8) * slot,
-            "meta_checkpoint_interval_sec": 1,
-            "eviction": EVICTION,
-        }
-    return {
-        "type": "dax",
-        "device_path": str(directory / "dax.img"),
-        "max_dax_size_gb": (SLOTS * (CHUNK + 4096) + (1 << 20)) / (1 << 30),
-        "slot_bytes": CHUNK,
-        "eviction": EVICTION,
-    }
+    return block_adapter_spec(kind, directory, chunk=CHUNK, slots=SLOTS, eviction=EVICTION)
 
 
 @pytest.mark.parametrize("kind", ["raw_block", "dax"])

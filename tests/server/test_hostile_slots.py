@@ -5,24 +5,20 @@ and the key can be stored again; an intact slot beside them still hits."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from block_stores import block_adapter_spec, image_directory, skip_without_block_plugins
 from hostile_support import exported, read_each, wait_stored, warned_about
 from tiers_e2e import digest, fetch, make_keys, make_payloads, start_server
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.keys import ObjectKey
 
-for _module in ("lmcache_plugin_raw_block", "lmcache_plugin_dax"):
-    if importlib.util.find_spec(_module) is None:
-        pytest.skip(f"{_module} is not installed", allow_module_level=True)
+skip_without_block_plugins()
 
 CHUNK = 128 << 10
 SLOTS = 64
@@ -35,27 +31,11 @@ ZEROED_ENTRIES = 2
 
 @pytest.fixture
 def storage() -> Iterator[Path]:
-    directory = Path(tempfile.mkdtemp(prefix="lmcache-hostile-slots-", dir="/dev/shm"))
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
+    yield from image_directory("lmcache-hostile-slots-")
 
 
 def adapter_spec(kind: str, directory: Path) -> dict[str, Any]:
-    if kind == "raw_block":
-        slot = CHUNK + 4096
-        return {
-            "type": "raw_block",
-            "device_path": str(directory / "raw_block.img"),
-            "slot_bytes": slot,
-            "capacity_bytes": (SLOTS + 8) * slot,
-            "meta_checkpoint_interval_sec": 1,
-        }
-    return {
-        "type": "dax",
-        "device_path": str(directory / "dax.img"),
-        "max_dax_size_gb": (SLOTS * (CHUNK + 4096) + (1 << 20)) / (1 << 30),
-        "slot_bytes": CHUNK,
-    }
+    return block_adapter_spec(kind, directory, chunk=CHUNK, slots=SLOTS)
 
 
 class Image:
