@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from forked_cli import ForkedCli
 
 
 @pytest.fixture
@@ -24,3 +25,13 @@ def a_file(tmp_path: Path) -> Path:
     path = tmp_path / "regular-file"
     path.write_bytes(b"not a directory")
     return path
+
+
+@pytest.fixture(scope="module")
+def forked_cli() -> Iterator[ForkedCli]:
+    """The console script forked from one warm interpreter per test module."""
+    cli = ForkedCli()
+    try:
+        yield cli
+    finally:
+        cli.close()

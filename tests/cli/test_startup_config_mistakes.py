@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 
 import pytest
-from startup_refusals import print_config, serve_refused
+from forked_cli import ForkedCli
+from startup_refusals import print_config
 from thirdparty import free_port
 
 
@@ -109,10 +110,10 @@ def _config_cases(tmp_path: Path) -> list[tuple[list[str], str]]:
 
 @pytest.mark.parametrize("case", range(18))
 def test_configuration_mistakes_are_found_by_print_config_as_by_serve(
-    case: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    case: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forked_cli: ForkedCli
 ) -> None:
     args, start = _config_cases(tmp_path)[case]
-    line = serve_refused(["--no-default-l2", "--port", str(free_port()), *args])
+    line = forked_cli.serve_refused(["--no-default-l2", "--port", str(free_port()), *args])
     assert line.startswith(start), line
     assert "secret" not in line
     printed = print_config(["--no-default-l2", *args], monkeypatch)
@@ -120,15 +121,15 @@ def test_configuration_mistakes_are_found_by_print_config_as_by_serve(
     assert printed.stderr.strip() == line
 
 
-def test_the_inner_spec_of_a_wrapper_is_named_by_its_path() -> None:
+def test_the_inner_spec_of_a_wrapper_is_named_by_its_path(forked_cli: ForkedCli) -> None:
     wrapped = {"type": "fault_inject", "inner": {"type": "nosuch"}}
-    line = serve_refused(["--no-default-l2", "--l2-adapter", json.dumps(wrapped)])
+    line = forked_cli.serve_refused(["--no-default-l2", "--l2-adapter", json.dumps(wrapped)])
     assert line.endswith("- at `$.l2_adapters[0].inner.type`"), line
     assert "installed: " in line and "fault_inject `inner`" not in line, line
 
 
 def test_dashed_l2_adapters_in_a_config_file_are_not_replaced_by_the_default_l2(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forked_cli: ForkedCli
 ) -> None:
     config = tmp_path / "tiers.toml"
     config.write_text('[[l2-adapters]]\ntype = "mock"\nmax_size_gb = 0.5\n\n[[frontends]]\ntype = "native"\n')
@@ -138,22 +139,24 @@ def test_dashed_l2_adapters_in_a_config_file_are_not_replaced_by_the_default_l2(
     assert [(a["type"], a["max_size_gb"]) for a in resolved["l2_adapters"]] == [("mock", 0.5)]
     assert [f["type"] for f in resolved["frontends"]] == ["native"]
     config.write_text('[[l2-adapters]]\ntype = "mock"\n\n[[l2_adapters]]\ntype = "mock"\n')
-    line = serve_refused(["--config", str(config)])
+    line = forked_cli.serve_refused(["--config", str(config)])
     assert line == (
         f"error: --config {config}: config field `$.l2_adapters` is given twice "
         "(as `l2-adapters` and `l2_adapters`)"
     )
     config.write_text("l1_size_gbb = 1\n")
     assert (
-        serve_refused(["--config", str(config)])
+        forked_cli.serve_refused(["--config", str(config)])
         == f"error: --config {config}: unknown config field `$.l1_size_gbb`"
     )
 
 
-def test_a_shutdown_timeout_no_stop_can_wait_is_refused_before_start() -> None:
+def test_a_shutdown_timeout_no_stop_can_wait_is_refused_before_start(forked_cli: ForkedCli) -> None:
     # A deadline beyond what a thread join takes made the stop itself fail (OverflowError
     # joining the front ends): a traceback and exit 1 on SIGTERM instead of a drain.
-    line = serve_refused(["--no-default-l2", "--port", str(free_port()), "--shutdown-timeout", "1e300"])
+    line = forked_cli.serve_refused(
+        ["--no-default-l2", "--port", str(free_port()), "--shutdown-timeout", "1e300"]
+    )
     assert line == "error: --shutdown-timeout: Expected `float` <= 86400.0 - at `$.shutdown_timeout_s`"
 
 
@@ -164,12 +167,14 @@ def test_an_empty_config_path_is_refused_not_ignored(monkeypatch: pytest.MonkeyP
     assert printed.stderr.strip() == "error: config file '' does not exist"
 
 
-def test_a_non_utf8_auth_token_is_refused_before_start(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_non_utf8_auth_token_is_refused_before_start(
+    monkeypatch: pytest.MonkeyPatch, forked_cli: ForkedCli
+) -> None:
     # A byte that is not UTF-8 in a flag reaches Python as a lone surrogate: --print-config
     # showed it, and serve built L1 and the front ends before encoding the token failed
     # ("cannot start the server: UnicodeEncodeError ...", exit 1).
     args = ["--no-default-l2", "--port", str(free_port()), "--auth-token", "\udcff"]
-    line = serve_refused(args)
+    line = forked_cli.serve_refused(args)
     refusal = "Expected UTF-8 text, got a lone surrogate \\udcff - at `$.auth_token`"
     assert line == f"error: --auth-token: {refusal}"
     # in this process the flag is the str Python decodes the byte to, as in the console script

@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from startup_refusals import NARROW, serve_refused
-from thirdparty import free_port, run_cli, serve_cli
+from forked_cli import ForkedCli
+from startup_refusals import NARROW
+from thirdparty import free_port, serve_cli
 
 from lmcache_tiers.config import build_config
 from lmcache_tiers.plugins import load_registry
@@ -67,30 +68,32 @@ def _adapter_cases(a_file: Path) -> list[tuple[dict[str, object], str, str]]:
 
 
 @pytest.mark.parametrize("case", range(6))
-def test_an_unusable_adapter_path_names_the_field(case: int, a_file: Path) -> None:
+def test_an_unusable_adapter_path_names_the_field(case: int, a_file: Path, forked_cli: ForkedCli) -> None:
     adapter, field, words = _adapter_cases(a_file)[case]
     if adapter["type"] not in load_registry().names(Kind.L2_ADAPTER):
         pytest.skip(f"the {adapter['type']} adapter plugin is not installed")
-    line = serve_refused(["--l2-adapter", json.dumps(adapter)])
+    line = forked_cli.serve_refused(["--l2-adapter", json.dumps(adapter)])
     assert f"`{field}`" in line and words in line, line
     assert "File exists" not in line, line
 
 
-def test_the_adapter_a_wrapper_wraps_is_checked_too(a_file: Path) -> None:
+def test_the_adapter_a_wrapper_wraps_is_checked_too(a_file: Path, forked_cli: ForkedCli) -> None:
     wrapped = {"type": "fault_inject", "inner": {"type": "fs", "path": str(a_file)}}
-    line = serve_refused(["--l2-adapter", json.dumps(wrapped)])
+    line = forked_cli.serve_refused(["--l2-adapter", json.dumps(wrapped)])
     assert "fs: " in line and "`$.l2_adapters[0].inner.path`" in line, line
 
 
-def test_a_second_adapter_is_checked_too(a_file: Path, tmp_path: Path) -> None:
+def test_a_second_adapter_is_checked_too(a_file: Path, tmp_path: Path, forked_cli: ForkedCli) -> None:
     good = {"type": "fs", "path": str(tmp_path / "good")}
     bad = {"type": "fs", "path": str(a_file)}
-    line = serve_refused(["--l2-adapter", json.dumps(good), "--l2-adapter", json.dumps(bad)])
+    line = forked_cli.serve_refused(["--l2-adapter", json.dumps(good), "--l2-adapter", json.dumps(bad)])
     assert "`$.l2_adapters[1].path`" in line, line
     assert not (tmp_path / "good").exists()  # the pre-flight creates nothing
 
 
-def test_a_second_server_on_a_directory_a_running_server_holds_is_refused_before_l1(tmp_path: Path) -> None:
+def test_a_second_server_on_a_directory_a_running_server_holds_is_refused_before_l1(
+    tmp_path: Path, forked_cli: ForkedCli
+) -> None:
     if "fs" not in load_registry().names(Kind.L2_ADAPTER):
         pytest.skip("the fs adapter plugin is not installed")
     locks = {"LMCACHE_TIERS_LOCK_DIR": str(tmp_path / "locks")}
@@ -99,7 +102,7 @@ def test_a_second_server_on_a_directory_a_running_server_holds_is_refused_before
     first = serve_cli(["--l2-adapter", adapter, "--l1-size-gb", "0.25"], None, tmp_path / "first", **locks)
     try:
         # L1 is pre-faulted only after the pre-flight: a larger one changes nothing here
-        result = run_cli(
+        result = forked_cli.run(
             [
                 "serve",
                 "--l2-adapter",
@@ -128,12 +131,14 @@ def test_a_second_server_on_a_directory_a_running_server_holds_is_refused_before
     assert "L1 arena" not in result.stderr + result.stdout  # what building L1 logs
 
 
-def test_two_adapters_of_one_config_on_one_directory_are_refused_before_l1(tmp_path: Path) -> None:
+def test_two_adapters_of_one_config_on_one_directory_are_refused_before_l1(
+    tmp_path: Path, forked_cli: ForkedCli
+) -> None:
     if "fs" not in load_registry().names(Kind.L2_ADAPTER):
         pytest.skip("the fs adapter plugin is not installed")
     one = {"type": "fs", "path": str(tmp_path / "l2")}
     two = {"type": "fs", "base_path": f"file://{tmp_path}/l2/../l2"}
-    line = serve_refused(
+    line = forked_cli.serve_refused(
         ["--l2-adapter", json.dumps(one), "--l2-adapter", json.dumps(two)],
         LMCACHE_TIERS_LOCK_DIR=str(tmp_path / "locks"),
     )
@@ -144,55 +149,61 @@ def test_two_adapters_of_one_config_on_one_directory_are_refused_before_l1(tmp_p
     assert os.listdir(tmp_path) == []  # neither the directory nor a lock file
 
 
-def test_the_rpc_port_in_use_names_port(taken_port: int) -> None:
-    line = serve_refused(["--no-default-l2", "--port", str(taken_port)])
+def test_the_rpc_port_in_use_names_port(taken_port: int, forked_cli: ForkedCli) -> None:
+    line = forked_cli.serve_refused(["--no-default-l2", "--port", str(taken_port)])
     assert line == (
         f"error: --port {taken_port}: 127.0.0.1:{taken_port} is already in use (another server?); "
         "stop it or give another port"
     )
 
 
-def test_the_metrics_port_in_use_names_metrics_port(taken_port: int) -> None:
-    line = serve_refused(["--no-default-l2", "--port", str(free_port()), "--metrics-port", str(taken_port)])
+def test_the_metrics_port_in_use_names_metrics_port(taken_port: int, forked_cli: ForkedCli) -> None:
+    line = forked_cli.serve_refused(
+        ["--no-default-l2", "--port", str(free_port()), "--metrics-port", str(taken_port)]
+    )
     assert line.startswith(f"error: --metrics-port {taken_port}: 127.0.0.1:{taken_port} is already in use"), (
         line
     )
 
 
-def test_a_front_end_port_in_use_names_its_config_path(taken_port: int) -> None:
+def test_a_front_end_port_in_use_names_its_config_path(taken_port: int, forked_cli: ForkedCli) -> None:
     frontends = [{"type": "native", "port": free_port()}, {"type": "lmcache_mp", "port": taken_port}]
     args = [arg for spec in frontends for arg in ("--frontend", json.dumps(spec))]
-    line = serve_refused(["--no-default-l2", *args])
+    line = forked_cli.serve_refused(["--no-default-l2", *args])
     assert line.startswith(f"error: $.frontends[1].port {taken_port}: "), line
 
 
-def test_a_host_that_is_not_ours_names_host() -> None:
-    line = serve_refused(
+def test_a_host_that_is_not_ours_names_host(forked_cli: ForkedCli) -> None:
+    line = forked_cli.serve_refused(
         ["--no-default-l2", "--host", "192.0.2.1", "--auth-token", "t", "--port", str(free_port())]
     )
     assert line == "error: --host 192.0.2.1: not an address of this machine; give one of its addresses"
 
 
-def test_a_host_that_is_not_ours_names_host_with_port_0_too() -> None:
+def test_a_host_that_is_not_ours_names_host_with_port_0_too(forked_cli: ForkedCli) -> None:
     """Port 0 (any free port) binds only on an address of this machine as well: refused
     before L1 is built, naming --host, not --port after L1 was pre-faulted."""
-    line = serve_refused(["--no-default-l2", "--host", "192.0.2.1", "--auth-token", "t", "--port", "0"])
+    line = forked_cli.serve_refused(
+        ["--no-default-l2", "--host", "192.0.2.1", "--auth-token", "t", "--port", "0"]
+    )
     assert line == "error: --host 192.0.2.1: not an address of this machine; give one of its addresses", line
 
 
 @pytest.mark.parametrize("token", [[], ["--auth-token", "t"]])
 @pytest.mark.parametrize("flag", ["--host", "--metrics-host"])
-def test_a_host_naming_no_address_is_refused_as_such(flag: str, token: list[str]) -> None:
+def test_a_host_naming_no_address_is_refused_as_such(
+    flag: str, token: list[str], forked_cli: ForkedCli
+) -> None:
     """A mistyped name is said to be one, not taken for a remote address that needs an auth
     token (without one) or for an address of another machine (with one)."""
     ports = ["--port", "0", "--metrics-port", str(free_port()) if flag == "--metrics-host" else "0"]
-    line = serve_refused(["--no-default-l2", flag, "nosuchhost.invalid", *ports, *token])
+    line = forked_cli.serve_refused(["--no-default-l2", flag, "nosuchhost.invalid", *ports, *token])
     assert line.startswith(f"error: {flag} nosuchhost.invalid: names no address ("), line
     assert "auth" not in line and "give an address or a name this machine resolves" in line, line
 
 
 def test_a_second_default_server_gets_the_hint_on_one_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forked_cli: ForkedCli
 ) -> None:
     from lmcache_tiers import defaults
 
@@ -200,7 +211,7 @@ def test_a_second_default_server_gets_the_hint_on_one_line(
     monkeypatch.setenv(defaults.CACHE_DIR_ENV, str(cache))
     held = defaults.claim_default_l2()  # what the first default server holds while it runs
     try:
-        line = serve_refused(["--port", str(free_port())], LMCACHE_TIERS_CACHE_DIR=str(cache))
+        line = forked_cli.serve_refused(["--port", str(free_port())], LMCACHE_TIERS_CACHE_DIR=str(cache))
     finally:
         held.release()  # type: ignore[attr-defined]
     assert "already uses the default L2 cache" in line, line
@@ -208,30 +219,36 @@ def test_a_second_default_server_gets_the_hint_on_one_line(
     assert ".lock" not in line, line
 
 
-def test_an_unusable_default_l2_directory_points_at_the_cache_dir_variable(a_file: Path) -> None:
-    line = serve_refused(["--port", str(free_port())], LMCACHE_TIERS_CACHE_DIR=str(a_file))
+def test_an_unusable_default_l2_directory_points_at_the_cache_dir_variable(
+    a_file: Path, forked_cli: ForkedCli
+) -> None:
+    line = forked_cli.serve_refused(["--port", str(free_port())], LMCACHE_TIERS_CACHE_DIR=str(a_file))
     assert line.startswith(f"error: the embedded default L2 in {a_file}/l2 cannot be used ("), line
     assert "is a file, not a directory" in line and "$.l2_adapters" not in line, line
     assert "LMCACHE_TIERS_CACHE_DIR" in line and "--no-default-l2" in line, line
 
 
-def test_an_ipc_socket_in_a_missing_or_wrong_directory_names_host(a_file: Path, tmp_path: Path) -> None:
-    missing = serve_refused(["--no-default-l2", "--host", f"ipc://{tmp_path}/nowhere/tiers.sock"])
+def test_an_ipc_socket_in_a_missing_or_wrong_directory_names_host(
+    a_file: Path, tmp_path: Path, forked_cli: ForkedCli
+) -> None:
+    missing = forked_cli.serve_refused(["--no-default-l2", "--host", f"ipc://{tmp_path}/nowhere/tiers.sock"])
     assert missing == (
         f"error: --host ipc://{tmp_path}/nowhere/tiers.sock: {tmp_path}/nowhere does not exist; "
         "give a socket path in an existing directory"
     )
-    under_file = serve_refused(["--no-default-l2", "--host", f"ipc://{a_file}/tiers.sock"])
+    under_file = forked_cli.serve_refused(["--no-default-l2", "--host", f"ipc://{a_file}/tiers.sock"])
     assert f"{a_file} is a file, not a directory" in under_file, under_file
-    a_directory = serve_refused(["--no-default-l2", "--host", f"ipc://{tmp_path}"])
+    a_directory = forked_cli.serve_refused(["--no-default-l2", "--host", f"ipc://{tmp_path}"])
     assert f"{tmp_path} is a directory; give the path of a socket file" in a_directory, a_directory
 
 
-def test_an_ipc_path_longer_than_a_unix_socket_address_takes_is_refused(tmp_path: Path) -> None:
+def test_an_ipc_path_longer_than_a_unix_socket_address_takes_is_refused(
+    tmp_path: Path, forked_cli: ForkedCli
+) -> None:
     # sun_path holds 107 bytes and a NUL: the server could bind such a path (it binds in a
     # short private directory and renames), but no client could ever connect to it.
     too_long = f"{tmp_path}/" + "s" * (108 - len(f"{tmp_path}/"))
-    line = serve_refused(["--no-default-l2", "--host", f"ipc://{too_long}"])
+    line = forked_cli.serve_refused(["--no-default-l2", "--host", f"ipc://{too_long}"])
     assert line == (
         f"error: --host ipc://{too_long}: the socket path is 108 bytes, and a Unix socket "
         "address holds at most 107; give a shorter path"
@@ -239,21 +256,23 @@ def test_an_ipc_path_longer_than_a_unix_socket_address_takes_is_refused(tmp_path
     assert not os.path.exists(too_long)
 
 
-def test_an_ipc_path_whose_private_bind_directory_is_too_long_is_refused(tmp_path: Path) -> None:
+def test_an_ipc_path_whose_private_bind_directory_is_too_long_is_refused(
+    tmp_path: Path, forked_cli: ForkedCli
+) -> None:
     # The socket is bound as DIR/.tiers-XXXXXXXX/s first (18 bytes more than DIR), then linked.
     directory = tmp_path / ("d" * (90 - len(f"{tmp_path}/")))
     directory.mkdir()
     path = f"{directory}/s.sock"  # 97 bytes: a client could connect to it
-    line = serve_refused(["--no-default-l2", "--host", f"ipc://{path}"])
+    line = forked_cli.serve_refused(["--no-default-l2", "--host", f"ipc://{path}"])
     assert line == (
         f"error: --host ipc://{path}: the server binds it first as {directory}/.tiers-XXXXXXXX/s "
         "(108 bytes), and a Unix socket address holds at most 107; give a path in a shorter directory"
     )
 
 
-def test_an_ipc_path_that_is_a_file_is_refused_and_left_alone(a_file: Path) -> None:
+def test_an_ipc_path_that_is_a_file_is_refused_and_left_alone(a_file: Path, forked_cli: ForkedCli) -> None:
     # ZeroMQ unlinks whatever is at an ipc:// path before binding.
-    line = serve_refused(["--no-default-l2", "--host", f"ipc://{a_file}"])
+    line = forked_cli.serve_refused(["--no-default-l2", "--host", f"ipc://{a_file}"])
     assert line == (
         f"error: --host ipc://{a_file}: {a_file} exists and is not a socket; give a path that does not exist"
     )
@@ -270,8 +289,10 @@ def listening_socket(tmp_path: Path) -> Iterator[Path]:
         yield path
 
 
-def test_an_ipc_socket_another_server_listens_on_is_refused(listening_socket: Path) -> None:
-    line = serve_refused(["--no-default-l2", "--host", f"ipc://{listening_socket}"])
+def test_an_ipc_socket_another_server_listens_on_is_refused(
+    listening_socket: Path, forked_cli: ForkedCli
+) -> None:
+    line = forked_cli.serve_refused(["--no-default-l2", "--host", f"ipc://{listening_socket}"])
     assert line == (
         f"error: --host ipc://{listening_socket}: {listening_socket} is already in use (another server?); "
         "stop it or give another path"

@@ -19,7 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from startup_refusals import NARROW, serve_refused
+from forked_cli import ForkedCli
+from startup_refusals import NARROW
 from thirdparty import CLI, free_port
 
 from lmcache_tiers.client import Client, ClientError
@@ -32,8 +33,8 @@ from lmcache_tiers.testing.mounts import tmpfs_at
 from lmcache_tiers.tmpfs import is_tmpfs
 
 
-def test_an_l1_larger_than_dev_shm_is_refused_before_mapping() -> None:
-    line = serve_refused(["--no-default-l2", "--l1-size-gb", "100000"])
+def test_an_l1_larger_than_dev_shm_is_refused_before_mapping(forked_cli: ForkedCli) -> None:
+    line = forked_cli.serve_refused(["--no-default-l2", "--l1-size-gb", "100000"])
     assert line.startswith("error: --l1-size-gb 100000: /dev/shm has"), line
     assert "GiB free" in line, line
 
@@ -85,7 +86,7 @@ def huge_tmpfs(tmp_path: Path) -> Iterator[str]:
 
 
 def test_an_shm_dir_that_cannot_hold_the_arena_is_one_line(
-    tmp_path: Path, a_file: Path, read_only_tmpfs: str
+    tmp_path: Path, a_file: Path, read_only_tmpfs: str, forked_cli: ForkedCli
 ) -> None:
     on_disk = tmp_path / "on-disk"
     on_disk.mkdir()
@@ -98,20 +99,24 @@ def test_an_shm_dir_that_cannot_hold_the_arena_is_one_line(
     if not is_tmpfs(str(on_disk)):
         cases.append((str(on_disk), "not on a tmpfs"))
     for directory, words in cases:
-        line = serve_refused(["--no-default-l2", "--shm-dir", directory])
+        line = forked_cli.serve_refused(["--no-default-l2", "--shm-dir", directory])
         assert line.startswith(f"error: --shm-dir {directory}: "), line
         assert words in line, line
 
 
-def test_a_huge_tmpfs_too_small_for_the_arena_is_refused_before_it_is_made(huge_tmpfs: str) -> None:
-    line = serve_refused(["--no-default-l2", "--shm-dir", huge_tmpfs])
+def test_a_huge_tmpfs_too_small_for_the_arena_is_refused_before_it_is_made(
+    huge_tmpfs: str, forked_cli: ForkedCli
+) -> None:
+    line = forked_cli.serve_refused(["--no-default-l2", "--shm-dir", huge_tmpfs])
     assert "lower it or enlarge" in line, line
     assert not os.listdir(huge_tmpfs)
 
 
-def test_lmcache_mp_refuses_an_arena_outside_dev_shm(huge_tmpfs: str) -> None:
+def test_lmcache_mp_refuses_an_arena_outside_dev_shm(huge_tmpfs: str, forked_cli: ForkedCli) -> None:
     spec = {"type": "lmcache_mp", "port": free_port()}
-    line = serve_refused(["--no-default-l2", "--shm-dir", huge_tmpfs, "--frontend", json.dumps(spec)])
+    line = forked_cli.serve_refused(
+        ["--no-default-l2", "--shm-dir", huge_tmpfs, "--frontend", json.dumps(spec)]
+    )
     assert "LMCache clients open in /dev/shm" in line and f"--shm-dir {huge_tmpfs}" in line, line
 
 
@@ -204,9 +209,9 @@ def test_a_low_open_files_limit_is_warned_about_at_start(
     assert caplog.records == []
 
 
-def test_a_tmpfs_of_a_few_mib_says_how_many_mib_it_has_free(huge_tmpfs: str) -> None:
+def test_a_tmpfs_of_a_few_mib_says_how_many_mib_it_has_free(huge_tmpfs: str, forked_cli: ForkedCli) -> None:
     # "0.01 GiB free" / "0.00 GiB free" said nothing about what was there.
-    line = serve_refused(["--no-default-l2", "--shm-dir", huge_tmpfs])
+    line = forked_cli.serve_refused(["--no-default-l2", "--shm-dir", huge_tmpfs])
     assert f"{huge_tmpfs} has 8.0 MiB free" in line, line
 
 
