@@ -1,6 +1,7 @@
 """A metadata service of a kind the installed Mooncake client was built without (the
 non-CUDA 0.3.13 wheel has no redis plugin) fails the start in one line naming
-``metadata_server``, where Mooncake aborted the whole server process."""
+``metadata_server``, in the adapters' pre-flight (before L1 is allocated), where Mooncake
+aborted the whole server process."""
 
 from __future__ import annotations
 
@@ -32,15 +33,65 @@ def test_the_plugin_kind_mooncake_picks_for_each_form(value: str, kind: str | No
     assert metadata_kind(value) == kind
 
 
-def test_a_metadata_kind_the_client_lacks_fails_the_start_by_name(mooncake_pool: LocalCluster) -> None:
+def test_a_metadata_kind_the_client_lacks_fails_the_start_by_name_before_l1_exists(
+    mooncake_unavailable: str | None,
+) -> None:
+    if mooncake_unavailable is not None:
+        pytest.skip(mooncake_unavailable)
     import mooncake.store
 
     if b"RedisStoragePlugin" in Path(mooncake.store.__file__ or "").read_bytes():
         pytest.skip("the installed Mooncake client has a redis metadata plugin")
-    port, metrics_port = free_ports(2)
-    adapter = mooncake_pool.adapter(
-        metadata_server=f"redis://127.0.0.1:{mooncake_pool.metadata_port}", global_segment_size=0
+    port, metrics_port, redis_port, master_port = free_ports(4)
+    # Refused before any connection: nothing needs to listen on these ports.
+    adapter = {
+        "type": "mooncake_store",
+        "metadata_server": f"redis://127.0.0.1:{redis_port}",
+        "master_server_address": f"127.0.0.1:{master_port}",
+        "global_segment_size": 0,
+    }
+    server = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lmcache_tiers.cli.main",
+            "serve",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            # An L1 no machine has room for: the L1 check, which comes after the adapters'
+            # pre-flight, would refuse it -- and L1 is allocated after both.
+            "--l1-size-gb",
+            "100000",
+            "--l2-adapter",
+            json.dumps(adapter),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **LocalCluster.environment(), "COLUMNS": "300"},
     )
+    assert server.returncode == 2, server.stderr[-2000:]
+    (line,) = [line for line in server.stderr.splitlines() if line.startswith("error:")]
+    assert "without its redis metadata plugin" in line, line
+    assert line.endswith(" - at `$.l2_adapters[0].metadata_server`"), line
+
+
+def test_a_client_that_cannot_be_imported_fails_the_start_before_l1_exists(tmp_path: Path) -> None:
+    # A ``mooncake`` package whose client library fails to load, as without libibverbs.
+    package = tmp_path / "mooncake"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    failing = 'raise ImportError("libibverbs.so.1: cannot open shared object file")\n'
+    (package / "store.py").write_text(failing)
+    port, metrics_port, metadata_port, master_port = free_ports(4)
+    adapter = {
+        "type": "mooncake_store",
+        "metadata_server": f"http://127.0.0.1:{metadata_port}/metadata",
+        "master_server_address": f"127.0.0.1:{master_port}",
+        "global_segment_size": 0,
+    }
     server = subprocess.run(
         [
             sys.executable,
@@ -52,15 +103,16 @@ def test_a_metadata_kind_the_client_lacks_fails_the_start_by_name(mooncake_pool:
             "--metrics-port",
             str(metrics_port),
             "--l1-size-gb",
-            "0.05",
+            "100000",  # refused by the L1 check, after the adapters' pre-flight
             "--l2-adapter",
             json.dumps(adapter),
         ],
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, **mooncake_pool.environment(), "COLUMNS": "300"},
+        env={**os.environ, "PYTHONPATH": str(tmp_path), "COLUMNS": "300"},
     )
-    assert server.returncode == 2, server.stderr[-2000:]
+    assert server.returncode == 1, server.stderr[-2000:]
     (line,) = [line for line in server.stderr.splitlines() if line.startswith("error:")]
-    assert "metadata_server" in line and "without its redis metadata plugin" in line
+    assert "the Mooncake client cannot be imported (libibverbs.so.1" in line, line
+    assert "pip install 'lmcache-plugin-mooncake[non-cuda]'" in line, line

@@ -84,14 +84,17 @@ from lmcache_plugin_mooncake.client import (
     MasterUnreachable,
     MooncakeError,
     describe,
+    import_store_module,
 )
 from lmcache_plugin_mooncake.config import MooncakeStoreConfig
 from lmcache_plugin_mooncake.headers import HEADER_BYTES, HeaderLanes, Lane, address_of, chunks
 from lmcache_plugin_mooncake.helpers import HelperThreads
 from lmcache_plugin_mooncake.listing import iter_pool_names
+from lmcache_plugin_mooncake.metadata_plugins import missing_metadata_plugin
 from lmcache_plugin_mooncake.sessions import GetSessions
 from lmcache_tiers.plugin import (
     BackendContext,
+    FieldError,
     KeptByDelete,
     ObjectKey,
     ObjectSize,
@@ -292,6 +295,16 @@ class MooncakeStoreBackend:
     #: core puts its circuit breaker in front: after repeated failures lookups miss at
     #: once and stores are skipped, and ``ping`` probes the master until it answers
     remote = True
+
+    @staticmethod
+    def preflight(config: MooncakeStoreConfig) -> None:
+        """Before L1 exists, what needs no connection: the Mooncake client imports
+        (``BackendUnavailableError`` saying what to install), and it was built with the
+        plugin of the configured kind of metadata service -- asked for a kind it lacks,
+        Mooncake aborts the process at set-up."""
+        missing = missing_metadata_plugin(import_store_module(), config.metadata_server)
+        if missing is not None:
+            raise FieldError("metadata_server", missing)
 
     def __init__(self, config: MooncakeStoreConfig, context: BackendContext) -> None:
         self.config = config

@@ -192,6 +192,8 @@ class Connection:
         server does not start with a config no attempt can serve, where it would retry
         for good as if the master did not answer."""
         self._module = import_store_module()
+        # The server refused it in its pre-flight already; an adapter built otherwise (a
+        # tool, a test) must not reach the set-up with it either.
         missing = missing_metadata_plugin(self._module, self.config.metadata_server)
         if missing is not None:
             raise ConfigError(f"{self.name}: metadata_server: {missing}")
