@@ -8,12 +8,14 @@ another size, too."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import time
 import uuid
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -81,6 +83,7 @@ MISS_COUNTER = {
 }
 
 
+@functools.cache  # made for every store and every check of a read: the same few prompts
 def prompt_chunks(tag: str) -> list[np.ndarray[Any, Any]]:
     """The prompt ``tag``'s chunks: words of a small random vocabulary, which zstd's levels
     compress to different sizes (random bytes it stores as they are, at one size)."""
@@ -136,16 +139,29 @@ def pair(case: str, tmp_path: Path, store_service: tuple[str, SharedStore]) -> I
     kind, (adapter, env) = store_service
     namespace = {NAMESPACE_FIELD[kind]: f"chains-{uuid.uuid4().hex[:8]}{NAMESPACE_END[kind]}"}
     nodes: list[Node] = []
-    try:
-        for name, chain in zip(("first", "second"), _chains(case, tmp_path), strict=True):
-            config = {**adapter, **namespace, "serde": chain}
-            nodes.append(
-                Node(start_server(tmp_path / name, adapters=[config], env=env), f"0:{adapter['type']}")
+    # Both start, and later stop, at the same time: neither waits on the other for that.
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            starts = [
+                pool.submit(
+                    start_server,
+                    tmp_path / name,
+                    adapters=[{**adapter, **namespace, "serde": chain}],
+                    env=env,
+                )
+                for name, chain in zip(("first", "second"), _chains(case, tmp_path), strict=True)
+            ]
+            wait(starts)
+            nodes.extend(
+                Node(start.result(), f"0:{adapter['type']}") for start in starts if not start.exception()
             )
-        yield nodes[0], nodes[1]
-    finally:
-        for node in nodes:
-            assert node.server.stop() == 0, node.server.output()
+            for start in starts:
+                start.result()  # a server that did not start fails the test (the other is stopped)
+            yield nodes[0], nodes[1]
+        finally:
+            stops = [(node, pool.submit(node.server.stop)) for node in nodes]
+            for node, stop in stops:
+                assert stop.result() == 0, node.server.output()
 
 
 @pytest.mark.parametrize("case", sorted(MISS_COUNTER))
