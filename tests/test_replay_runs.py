@@ -21,7 +21,9 @@ from lmcache_tiers.client.connection import CLEANUP_TIMEOUT_S
 
 
 def test_simulation_tables_name_every_policy_and_the_time(tmp_path: Path) -> None:
-    result = run_cli(["replay", str(small_trace(tmp_path / "t.jsonl")), "--simulate", "--capacity", "8,32"])
+    result = run_cli_in_process(
+        ["replay", str(small_trace(tmp_path / "t.jsonl")), "--simulate", "--capacity", "8,32"]
+    )
     assert result.returncode == 0, result.stderr
     for text in ("exact LRU", "ARC", "S3FIFO", "PREFIX_LFU", "Belady", "infinite", "seconds per run"):
         assert text in result.stdout
@@ -73,7 +75,7 @@ def test_a_report_off_a_terminal_is_at_most_200_columns_and_cuts_no_word(
 def test_oracles_and_the_retimed_model_are_reported(tmp_path: Path) -> None:
     trace = str(small_trace(tmp_path / "t.jsonl"))
     args = ["replay", trace, "--simulate", "--capacity", "8,16", "--foresight", "0,all", "--retime", "1"]
-    result = run_cli([*args, "--json"])
+    result = run_cli_in_process([*args, "--json"])
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
     assert document["analysis"]["retimed"]["seed"] == 1
@@ -83,7 +85,7 @@ def test_oracles_and_the_retimed_model_are_reported(tmp_path: Path) -> None:
         assert runs["next use <= 0"]["hit_blocks"] == runs["exact LRU"]["hit_blocks"]
         assert runs["next use"]["hit_blocks"] <= runs["Belady"]["hit_blocks"]
         assert 0.0 < point["online_bound_hit_rate"] < 1.0
-    shown = run_cli(args)
+    shown = run_cli_in_process(args)
     assert shown.returncode == 0, shown.stderr
     assert "re-timed" in shown.stdout and "bound on any online policy" in shown.stdout
 
@@ -96,12 +98,14 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
         pytest.skip("matplotlib is not installed (extra lmcache-tiers[plot])")
     png = tmp_path / "curve.png"
     trace = str(small_trace(tmp_path / "t.jsonl"))
-    result = run_cli(["replay", trace, "--simulate", "--capacity", "4,8,16", "--plot", str(png), "--json"])
+    result = run_cli_in_process(
+        ["replay", trace, "--simulate", "--capacity", "4,8,16", "--plot", str(png), "--json"]
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["plot"] == str(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     svg = tmp_path / "curve.SVG"  # the format follows the extension, whatever its case
-    result = run_cli(["replay", trace, "--simulate", "--capacity", "4,8", "--plot", str(svg)])
+    result = run_cli_in_process(["replay", trace, "--simulate", "--capacity", "4,8", "--plot", str(svg)])
     assert result.returncode == 0, result.stderr
     assert result.stdout.rstrip().endswith(f"plot written to {svg}")
     assert b"<svg" in svg.read_bytes()[:400]
@@ -113,7 +117,9 @@ def test_plot_under_the_longest_file_name_is_written(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     plot = tmp_path / ("c" * 251 + ".png")
     trace = str(small_trace(tmp_path / "t.jsonl"))
-    result = run_cli(["replay", trace, "--simulate", "--capacity", "8", "--plot", str(plot), "--json"])
+    result = run_cli_in_process(
+        ["replay", trace, "--simulate", "--capacity", "8", "--plot", str(plot), "--json"]
+    )
     assert result.returncode == 0, result.stderr
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(tmp_path.iterdir()) == sorted([plot, tmp_path / "t.jsonl"])
@@ -133,7 +139,9 @@ def test_plot_through_a_symbolic_link_writes_the_file_it_points_at(tmp_path: Pat
     dangling.symlink_to(shared / "next-curve.png")  # not there yet: created, as open would
     trace = str(small_trace(tmp_path / "t.jsonl"))
     for plot in (link, dangling):
-        result = run_cli(["replay", trace, "--simulate", "--capacity", "8", "--plot", str(plot), "--json"])
+        result = run_cli_in_process(
+            ["replay", trace, "--simulate", "--capacity", "8", "--plot", str(plot), "--json"]
+        )
         assert result.returncode == 0, result.stderr
     assert link.is_symlink() and os.readlink(link) == str(target)
     assert dangling.is_symlink() and os.readlink(dangling) == str(shared / "next-curve.png")
@@ -145,7 +153,7 @@ def test_plot_through_a_symbolic_link_writes_the_file_it_points_at(tmp_path: Pat
 def test_in_process_replay_reports_json(tmp_path: Path) -> None:
     trace = str(small_trace(tmp_path / "t.jsonl"))
     args = ["replay", trace, "--in-process", "--l1-blocks", "20", "--block-bytes", str(BLOCK_BYTES), "--json"]
-    result = run_cli(args)
+    result = run_cli_in_process(args)
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
     assert document["mode"] == "in-process" and document["requests"] == 60
@@ -264,8 +272,8 @@ def test_a_server_that_dies_mid_replay_ends_it_in_one_line(tmp_path: Path) -> No
         server.url,
         "--block-bytes",
         str(BLOCK_BYTES),
-        "--timeout",
-        "2",
+        "--timeout",  # every request to the dead server waits it out
+        "1",
         "--time-scale",  # paced: the default sends the whole trace as fast as it can
         "1",
         "--json",
@@ -290,13 +298,16 @@ def test_a_server_that_dies_mid_replay_ends_it_in_one_line(tmp_path: Path) -> No
 
 def test_l2_stores_still_in_flight_at_the_end_are_counted(tmp_path: Path) -> None:
     # The store controller writes to L2 after the STORE is acknowledged; a report taken
-    # the moment the last request is answered left the last batches out.
+    # the moment the last request is answered left the last batches out.  An L2 taking
+    # 10 ms a store falls behind a replay sent as fast as it goes: stores are still queued
+    # when the last request is answered.
     server = start_block_server(
-        tmp_path / "server", 500, adapters=[{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.05}]
+        tmp_path / "server", 500, adapters=[{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.01}]
     )
     try:
         trace = str(small_trace(tmp_path / "t.jsonl", requests=60))
-        result = run_cli(["replay", trace, "--url", server.url, "--block-bytes", str(BLOCK_BYTES), "--json"])
+        args = ["replay", trace, "--url", server.url, "--block-bytes", str(BLOCK_BYTES), "--json"]
+        result = run_cli_in_process(args)
         assert result.returncode == 0, result.stderr
         document = json.loads(result.stdout)
         assert document["stored_blocks"] > 0 and document["server_failures"] == {}
@@ -469,12 +480,12 @@ def test_a_trace_without_blocks_reports_no_miss_ratio_it_never_measured(tmp_path
     trace = tmp_path / "empty.jsonl"
     line = {"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}
     trace.write_text(json.dumps(line) + "\n")
-    result = run_cli(["replay", str(trace), "--simulate", "--json"])
+    result = run_cli_in_process(["replay", str(trace), "--simulate", "--json"])
     assert result.returncode == 0, result.stderr
     runs = [run for point in json.loads(result.stdout)["points"] for run in point["runs"]]
     assert runs
     assert {(run["hit_rate"], run["miss_ratio"]) for run in runs} == {(0.0, 0.0)}
-    table = run_cli(["replay", str(trace), "--simulate", "--policy", "LRU"])
+    table = run_cli_in_process(["replay", str(trace), "--simulate", "--policy", "LRU"])
     assert table.returncode == 0, table.stderr
     assert "1.0000" not in table.stdout and "n/a" in table.stdout, table.stdout
 
