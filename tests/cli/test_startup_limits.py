@@ -275,14 +275,25 @@ def test_the_soft_open_files_limit_is_raised_to_the_hard_one_at_start(
     ]
 
 
-def test_a_server_whose_wake_pipe_is_above_fd_setsize_stops_cleanly() -> None:
+def test_a_server_whose_wake_pipe_is_above_fd_setsize_stops_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
     # With the soft limit raised to the hard one, a process holding over 1024 descriptors
     # gets its wake pipe above FD_SETSIZE: select() raised ValueError on it, and the serving
     # loop died instead of waiting for the stop.
     import threading
 
     from lmcache_tiers.config import ServerConfig
+    from lmcache_tiers.server import app
     from lmcache_tiers.server.app import TiersServer
+
+    # what the serving loop does each time its wait on the wake pipe returns
+    woken = threading.Event()
+    after_wait = app.report_held_back
+
+    def noting_the_wake(*args: float) -> None:
+        woken.set()
+        after_wait(*args)
+
+    monkeypatch.setattr(app, "report_held_back", noting_the_wake)
 
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 1200:
@@ -309,8 +320,12 @@ def test_a_server_whose_wake_pipe_is_above_fd_setsize_stops_cleanly() -> None:
         assert server._wake_read >= 1024
         thread = threading.Thread(target=serve, daemon=True)
         thread.start()
-        thread.join(2.5)  # the loop wakes each second: a failing wait has ended it by now
-        serving = thread.is_alive()
+        os.write(server._wake_write, b"w")  # a wake that is no stop: the loop waits again
+        deadline = time.monotonic() + 60
+        while not woken.is_set() and thread.is_alive() and time.monotonic() < deadline:
+            woken.wait(0.05)
+        assert woken.is_set() or not thread.is_alive(), "the serving loop never returned from its wait"
+        serving = thread.is_alive()  # a failing wait ends the loop as it starts
         server.request_stop()
         thread.join(30)
         closing, server = server, None
