@@ -25,6 +25,7 @@ from unittest import mock
 import msgspec
 import pytest
 import redis
+from cluster_spares import ClusterSpares
 from lmcache_plugin_redis import RedisConfig
 from lmcache_plugin_redis import backend as backend_module
 from lmcache_plugin_redis import limits as limits_module
@@ -873,12 +874,20 @@ def own_server(tmp_path: Path) -> Iterator[RedisServer]:
     server.stop()
 
 
-@pytest.fixture
-def own_cluster(tmp_path: Path) -> Iterator[RedisClusterNodes]:
-    """A cluster of the test's own, whose nodes it may pause, kill or change the ACL of."""
+@pytest.fixture(scope="module")
+def spare_clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterSpares]:
     if (reason := missing_reason()) is not None:
         pytest.skip(reason)
-    cluster = RedisClusterNodes(tmp_path / "cluster").start()
+    spares = ClusterSpares(tmp_path_factory.mktemp("clusters"), depth=4)
+    yield spares
+    spares.close()
+
+
+@pytest.fixture
+def own_cluster(spare_clusters: ClusterSpares) -> Iterator[RedisClusterNodes]:
+    """A cluster of the test's own, whose nodes it may pause, kill or change the ACL of:
+    new, used by no other test (started ahead, while earlier tests ran)."""
+    cluster = spare_clusters.take()
     try:
         yield cluster
     finally:
@@ -1775,13 +1784,16 @@ def test_a_test_cluster_node_paused_for_seconds_is_not_declared_failed(
     # The tests pause a node to see its keys alone fail.  A node the others declare
     # failed (no replica replaces it) makes every node answer CLUSTERDOWN, for every key:
     # the pause of a test on a loaded machine must not reach the cluster's node timeout.
+    # A node is suspected only once it has not answered for a whole node timeout: with
+    # the old 2 s, the others declared a paused one failed 2.7-3.9 s into its pause, on a
+    # machine loaded past its cores.  A minute is far past any pause of these tests.
     paused = own_cluster.nodes[1]
+    timeouts = [
+        int(node.cli("CONFIG", "GET", "cluster-node-timeout").stdout.split()[1]) for node in own_cluster.nodes
+    ]
+    assert all(timeout >= 60_000 for timeout in timeouts), timeouts
     paused.pause()
     try:
-        # Three node-timeouts of the old 2 s: with it the other nodes declared the
-        # paused one failed 2.7-3.9 s into the pause, on a machine loaded past its
-        # cores too (the failure reports take up to half a timeout more to agree).
-        time.sleep(6.0)
         states = [node.cli("CLUSTER", "INFO").stdout for node in (own_cluster.nodes[0], own_cluster.nodes[2])]
     finally:
         paused.resume()
@@ -1860,19 +1872,23 @@ def test_the_circuit_probe_of_a_cluster_asks_every_primary(
     default = client.get_default_node().port
     hung = next(node for node in own_cluster.nodes if node.port != default)
     keys, _ = on_and_off_node(backend, hung, 2)
-    # Every command of every client waits, CLIENT UNPAUSE too, until the pause ends
-    # (the cluster bus does not: no failover).
-    hung.cli("CLIENT", "PAUSE", "6000", "ALL")
-    assert client_of(adapter).lookup_and_lock(keys).found == [False] * 4
-    assert adapter.stats()["circuit_open"] == 1
-    wait_for(
-        lambda: (
-            adapter.stats().get("circuit_probe_failures", 0) + adapter.stats().get("circuit_closed", 0) > 0
-        ),
-        "a probe",
-    )
-    stats = adapter.stats()
-    assert stats["circuit_open"] == 1 and stats.get("circuit_closed", 0) == 0, "closed while a node hangs"
+    # Stopped, the node answers nothing until it is resumed -- once a probe was seen --
+    # and no pause of a test reaches the cluster's node timeout: no failover.
+    hung.pause()
+    try:
+        assert client_of(adapter).lookup_and_lock(keys).found == [False] * 4
+        assert adapter.stats()["circuit_open"] == 1
+        wait_for(
+            lambda: (
+                adapter.stats().get("circuit_probe_failures", 0) + adapter.stats().get("circuit_closed", 0)
+                > 0
+            ),
+            "a probe",
+        )
+        stats = adapter.stats()
+        assert stats["circuit_open"] == 1 and stats.get("circuit_closed", 0) == 0, "closed while a node hangs"
+    finally:
+        hung.resume()
     wait_for(lambda: adapter.stats()["circuit_open"] == 0, "the circuit to close once the node answers")
 
 

@@ -47,6 +47,8 @@ def _bindable(port: int) -> bool:
 CLUSTER_NODE_TIMEOUT_MS = 120_000
 #: a cluster node also listens on its port + this, for the cluster bus
 BUS_PORT_OFFSET = 10000
+#: the hash slots of a Redis Cluster
+CLUSTER_SLOTS = 16384
 
 
 def free_port(*, cluster: bool = False) -> int:
@@ -114,7 +116,18 @@ class RedisServer:
         return args + self.extra
 
     def start(self) -> RedisServer:
+        self.spawn()
+        self.wait_answers()
+        return self
+
+    def spawn(self) -> None:
+        """Start the process without waiting for it (see :meth:`wait_answers`)."""
         self.proc = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def wait_answers(self) -> None:
+        """Return once the spawned server answers PING; stopped and raising if it exits or
+        does not answer in time."""
+        assert self.proc is not None, "spawn() first"
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self.answers():
             if self.proc.poll() is not None:
@@ -123,7 +136,6 @@ class RedisServer:
                 self.stop()
                 raise RuntimeError(f"redis-server did not answer within {START_TIMEOUT_S} s: {self.log()}")
             time.sleep(0.02)
-        return self
 
     def answers(self) -> bool:
         result = self.cli("PING", check=False, timeout=5.0)
@@ -184,14 +196,20 @@ class RedisClusterNodes:
         return ",".join(node.address for node in self.nodes)
 
     def start(self) -> RedisClusterNodes:
+        """Start the nodes, split the slots evenly among them, and return once every node
+        serves the whole slot map.
+
+        The nodes are started together and joined by hand: ``--cluster create`` polls
+        the join once a second.  A new primary reports ``cluster_state:ok`` no sooner than
+        2 s after it started (Redis's writable delay), which the join overlaps."""
         try:
             for node in self.nodes:
-                node.start()
-            self.nodes[0].cli(
-                "--cluster", "create", *[node.address for node in self.nodes], "--cluster-yes", timeout=60.0
-            )
+                node.spawn()
+            for node in self.nodes:
+                node.wait_answers()
+            self._join()
             deadline = time.monotonic() + START_TIMEOUT_S
-            while not all("cluster_state:ok" in node.cli("CLUSTER", "INFO").stdout for node in self.nodes):
+            while not all(self._serves_everything(node) for node in self.nodes):
                 if time.monotonic() > deadline:
                     raise RuntimeError("the cluster never reported cluster_state:ok")
                 time.sleep(0.05)
@@ -199,6 +217,27 @@ class RedisClusterNodes:
             self.stop()
             raise
         return self
+
+    def _join(self) -> None:
+        count = len(self.nodes)
+        for index, node in enumerate(self.nodes):
+            first, last = index * CLUSTER_SLOTS // count, (index + 1) * CLUSTER_SLOTS // count - 1
+            node.cli("CLUSTER", "ADDSLOTSRANGE", str(first), str(last))
+            # distinct epochs (as --cluster create sets them): no collision left to settle
+            node.cli("CLUSTER", "SET-CONFIG-EPOCH", str(index + 1))
+        for node in self.nodes[1:]:
+            self.nodes[0].cli("CLUSTER", "MEET", "127.0.0.1", str(node.port))
+
+    def _serves_everything(self, node: RedisServer) -> bool:
+        info = node.cli("CLUSTER", "INFO").stdout
+        return all(
+            fact in info
+            for fact in (
+                "cluster_state:ok",
+                f"cluster_slots_ok:{CLUSTER_SLOTS}",
+                f"cluster_known_nodes:{len(self.nodes)}",
+            )
+        )
 
     def stop(self) -> None:
         for node in self.nodes:
