@@ -16,7 +16,6 @@ import select
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -88,7 +87,8 @@ RUN_TIMEOUT_S = 120.0
 class ForkedCli:
     """One warm interpreter; ``run`` is ``thirdparty.run_cli`` without a site directory."""
 
-    def __init__(self) -> None:
+    def __init__(self, outputs: Path) -> None:
+        """``outputs``: a directory for the runs' stdout and stderr files."""
         self._warm = subprocess.Popen(
             [sys.executable, "-c", _WARM],
             stdin=subprocess.PIPE,
@@ -97,7 +97,7 @@ class ForkedCli:
             env=dict(os.environ, **NARROW),
         )
         self._answers = b""
-        self._outputs = Path(tempfile.mkdtemp(prefix="forked-cli-"))
+        self._outputs = outputs
 
     def run(self, args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
         assert self._warm.stdin is not None and self._warm.stdout is not None
@@ -175,6 +175,3 @@ class ForkedCli:
         except subprocess.TimeoutExpired:
             self._warm.kill()
             self._warm.wait()
-        for output in self._outputs.iterdir():
-            output.unlink()
-        self._outputs.rmdir()

@@ -28,9 +28,9 @@ def a_file(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def forked_cli() -> Iterator[ForkedCli]:
+def forked_cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkedCli]:
     """The console script forked from one warm interpreter per test module."""
-    cli = ForkedCli()
+    cli = ForkedCli(tmp_path_factory.mktemp("forked-cli"))
     try:
         yield cli
     finally:
