@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import lmcache_plugin_s3.backend as backend_module
+import lmcache_plugin_s3.client as client_module
 import pytest
 from flipping_relay import FlippingRelay
 from lmcache_plugin_s3 import S3Config
@@ -385,6 +386,14 @@ def silent_store(**timeouts: float) -> Iterator[S3Config]:
         )
 
 
+@pytest.fixture
+def brief_start_up_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-up check waits up to 5 s for a silent store's answer before the adapter
+    opens anyway; tests of what follows the open need not sit that out."""
+    monkeypatch.setattr(client_module, "_PROBE_READ_S", 0.2)
+
+
+@pytest.mark.usefixtures("brief_start_up_check")
 def test_close_ends_requests_stuck_on_a_silent_peer(l1: memoryview) -> None:
     with silent_store(read_timeout_s=300.0, request_timeout_s=300.0) as config:
         adapter = open_adapter(config, l1)
@@ -397,6 +406,7 @@ def test_close_ends_requests_stuck_on_a_silent_peer(l1: memoryview) -> None:
         assert results[task].found == [False, False]
 
 
+@pytest.mark.usefixtures("brief_start_up_check")
 def test_close_starts_none_of_the_requests_waiting_for_a_slot(l1: memoryview) -> None:
     import threading
 
