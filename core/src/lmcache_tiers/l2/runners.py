@@ -30,6 +30,7 @@ from lmcache_tiers.errors import PluginBaseException, awaiting_plugin_code, plug
 from lmcache_tiers.l2.background import WRITE_BACK, WRITE_BACK_NICE
 from lmcache_tiers.l2.calls import call, call_async, optional_method
 from lmcache_tiers.l2.interface import L2Op
+from lmcache_tiers.l2.loop_watch import LoopWatch
 from lmcache_tiers.l2.ops import BatchOp
 from lmcache_tiers.l2.state import AdapterState
 
@@ -573,6 +574,7 @@ class LoopRunner(Runner):
             concurrent.futures.ThreadPoolExecutor(thread_name_prefix=f"l2-{state.name}-serde")
         )
         self._thread = threading.Thread(target=self._serve, name=f"l2-{state.name}-loop", daemon=True)
+        self._watch = LoopWatch(state, self._loop, self._thread)
         self._semaphore = asyncio.Semaphore(max(1, concurrency))
         self._opened: concurrent.futures.Future[None] | None = None
         #: every scheduled call not yet done, with its coroutine (and task id, for ``run``)
@@ -617,6 +619,7 @@ class LoopRunner(Runner):
             )
             raise
         finally:
+            self._watch.end()
             with self._lock:
                 self._loop_ended = True
                 pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
@@ -770,6 +773,7 @@ class LoopRunner(Runner):
 
     def open(self, timeout: float) -> None:
         self._thread.start()
+        self._watch.start()
         self._opened = asyncio.run_coroutine_threadsafe(self._open(), self._loop)
         with self._lock:
             ended_already = self._loop_ended
@@ -1081,6 +1085,7 @@ class LoopRunner(Runner):
             try:
                 self._end_loop(deadline)
             finally:
+                self._watch.end()
                 self._closed.set()
         return returned
 
