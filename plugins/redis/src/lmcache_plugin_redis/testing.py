@@ -222,11 +222,15 @@ class RedisClusterNodes:
         count = len(self.nodes)
         for index, node in enumerate(self.nodes):
             first, last = index * CLUSTER_SLOTS // count, (index + 1) * CLUSTER_SLOTS // count - 1
-            node.cli("CLUSTER", "ADDSLOTSRANGE", str(first), str(last))
+            # ADDSLOTS, not ADDSLOTSRANGE: that one is Redis 7's only
+            node.cli("CLUSTER", "ADDSLOTS", *(str(slot) for slot in range(first, last + 1)))
             # distinct epochs (as --cluster create sets them): no collision left to settle
             node.cli("CLUSTER", "SET-CONFIG-EPOCH", str(index + 1))
-        for node in self.nodes[1:]:
-            self.nodes[0].cli("CLUSTER", "MEET", "127.0.0.1", str(node.port))
+        # Every pair meets directly: one node introduced to another by gossip alone can
+        # take seconds to be known (and the cluster to be whole).
+        for index, node in enumerate(self.nodes):
+            for other in self.nodes[index + 1 :]:
+                node.cli("CLUSTER", "MEET", "127.0.0.1", str(other.port))
 
     def _serves_everything(self, node: RedisServer) -> bool:
         info = node.cli("CLUSTER", "INFO").stdout
