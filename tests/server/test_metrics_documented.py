@@ -9,11 +9,13 @@ an alert that never fires.
 from __future__ import annotations
 
 import ast
+import functools
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tiers_e2e import ServerProcess, fetch
+from tiers_e2e import ServerProcess, fetch, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_DOC = ROOT / "docs" / "server.md"
@@ -39,18 +41,30 @@ def _documented_names(text: str) -> set[str]:
     return names | {name.removesuffix("_total") for name in names}
 
 
-def test_every_exported_family_is_listed_in_server_md(server_with_l2: ServerProcess) -> None:
+@pytest.fixture(scope="module")
+def families(tmp_path_factory: pytest.TempPathFactory) -> Iterator[set[str]]:
+    """The families a fresh server with an L2 (the mock adapter) exports: the tests read
+    them only, so one server serves them all."""
+    server = start_server(tmp_path_factory.mktemp("server"), adapters=[{"type": "mock", "max_size_gb": 0.5}])
+    try:
+        yield exported_families(server)
+    finally:
+        assert server.stop() == 0, server.output()
+        assert not server.shm_path.exists(), "the L1 segment outlived the server"
+
+
+def test_every_exported_family_is_listed_in_server_md(families: set[str]) -> None:
     documented = _documented_names(SERVER_DOC.read_text())
     missing = sorted(
         family
-        for family in exported_families(server_with_l2)
+        for family in families
         if family not in documented and family.removesuffix("_total") not in documented
     )
     assert missing == [], f"families /metrics exports that docs/server.md does not name: {missing}"
 
 
-def test_every_documented_full_name_is_exported(server_with_l2: ServerProcess) -> None:
-    exported = exported_families(server_with_l2)
+def test_every_documented_full_name_is_exported(families: set[str]) -> None:
+    exported = families
     known = exported | {family.removesuffix("_total") for family in exported}
     documents = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     unknown = sorted(
@@ -97,6 +111,13 @@ def _relative(path: Path) -> str:
 
 
 def _source_files() -> dict[str, ast.Module]:
+    """Every source file's tree, by path: a dict of its own for each caller, the trees
+    parsed once (no scan changes one)."""
+    return dict(_parsed_source_files())
+
+
+@functools.cache
+def _parsed_source_files() -> dict[str, ast.Module]:
     return {
         _relative(path): ast.parse(path.read_text(), str(path))
         for root in SOURCE_ROOTS
