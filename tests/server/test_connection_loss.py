@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from tiers_e2e import ServerProcess, fetch, make_keys, make_payloads, start_server
 
@@ -190,7 +191,10 @@ def test_a_request_sent_after_a_restart_is_waited_for_however_slow_the_new_serve
         try:
             # The socket reconnects by itself within its reconnect interval; the drop and
             # the new connection are not looked at before the next request is sent.
-            time.sleep(2.0)
+            deadline = time.monotonic() + 60
+            while not _connected(second, port):
+                assert time.monotonic() < deadline, "the client never reconnected to the new server"
+                time.sleep(0.05)
             outcome = _lookup_over_a_pause(client, keys, second)
             assert outcome.get("hits") == 0, outcome
         finally:
@@ -198,6 +202,15 @@ def test_a_request_sent_after_a_restart_is_waited_for_however_slow_the_new_serve
             assert second.stop() == 0, second.output()
     finally:
         client.close()
+
+
+def _connected(server: ServerProcess, port: int) -> bool:
+    """Whether a client's connection to ``port`` is established at ``server`` (seen from
+    outside the client: asking it would look at its connection)."""
+    return any(
+        link.status == psutil.CONN_ESTABLISHED and link.laddr.port == port
+        for link in psutil.Process(server.proc.pid).net_connections("tcp")
+    )
 
 
 def test_a_server_silent_past_the_heartbeat_timeout_is_taken_as_gone(
