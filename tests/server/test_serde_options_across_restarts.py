@@ -87,9 +87,12 @@ def _stat(server: ServerProcess, name: str) -> float:
 FP8_OPTIONS = [("e4m3fn", "tensor"), ("e5m2", "channel"), ("e4m3fn", "channel"), ("e5m2", "tensor")]
 
 
+# Each case reads both ways: the second server reads the first's frames, the third (the
+# first's options again) the second's.  Between them every format and granularity writes
+# a frame that the other format and granularity reads.
 @pytest.mark.parametrize(
     ("written", "configured"),
-    [(FP8_OPTIONS[0], FP8_OPTIONS[1]), (FP8_OPTIONS[1], FP8_OPTIONS[0]), (FP8_OPTIONS[2], FP8_OPTIONS[3])],
+    [(FP8_OPTIONS[0], FP8_OPTIONS[1]), (FP8_OPTIONS[2], FP8_OPTIONS[3])],
     ids=lambda options: "-".join(options),
 )
 def test_fp8_frames_read_by_the_options_that_wrote_them(
