@@ -28,6 +28,7 @@ import redis
 from cluster_spares import ClusterSpares
 from lmcache_plugin_redis import RedisConfig
 from lmcache_plugin_redis import backend as backend_module
+from lmcache_plugin_redis import client as client_module
 from lmcache_plugin_redis import limits as limits_module
 from lmcache_plugin_redis.backend import (
     KEYS_PER_TRIP,
@@ -2862,6 +2863,14 @@ def test_a_denying_cluster_primary_that_does_not_answer_a_later_check_keeps_its_
     assert adapter.stats()["permissions_denied"] == 1, "the standing denial was counted again"
 
 
+@pytest.fixture
+def brief_tls_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store that does not answer at open is asked whether it speaks TLS only, which a
+    hung one answers by waiting out the check's 2 s; the tests of what an adapter opened
+    on a hung store does later need not sit that out (the check finds no TLS either way)."""
+    monkeypatch.setattr(client_module, "_PLAIN_CHECK_S", 0.2)
+
+
 def _opened_while_hung_denying_unlink(
     server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> BackendAdapter:
@@ -2875,6 +2884,7 @@ def _opened_while_hung_denying_unlink(
         server.resume()
 
 
+@pytest.mark.usefixtures("brief_tls_checks")
 def test_a_store_hung_at_start_up_is_checked_when_it_answers(
     own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
@@ -2901,6 +2911,7 @@ def test_a_store_hung_at_start_up_is_checked_when_it_answers(
     assert adapter.delete(keys) == [True] * 2
 
 
+@pytest.mark.usefixtures("brief_tls_checks")
 def test_a_store_hung_at_start_up_that_refuses_the_check_is_said_to_when_it_answers(
     own_server: RedisServer,
     prefix: str,
@@ -3001,6 +3012,7 @@ def test_one_startup_node_without_cluster_mode_warns_nothing(
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
+@pytest.mark.usefixtures("brief_tls_checks")
 def test_a_denial_found_before_a_fresher_allowing_check_is_not_recorded_after_it(
     own_server: RedisServer, prefix: str, open_adapter: Callable[..., BackendAdapter]
 ) -> None:
@@ -3034,6 +3046,7 @@ def test_a_denial_found_before_a_fresher_allowing_check_is_not_recorded_after_it
     assert adapter.stats()["permission_verdicts_stale"] == 1, adapter.stats()
 
 
+@pytest.mark.usefixtures("brief_tls_checks")
 def test_a_lookup_does_not_wait_for_a_permission_check_another_is_making(
     own_server: RedisServer,
     prefix: str,
