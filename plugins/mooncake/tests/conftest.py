@@ -48,12 +48,21 @@ def own_cluster(tmp_path: Path, mooncake_unavailable: str | None) -> Iterator[Lo
     try:
         yield cluster
     finally:
-        cluster.stop()
+        # Killed, not stopped: a test's cluster leaves nothing behind (no files, no shared
+        # memory) and mooncake_master takes most of a second to stop when asked.
+        for host in list(cluster.segment_hosts):
+            cluster.kill_segment_host(host)
+        cluster.kill_master()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def raw(mooncake_pool: LocalCluster) -> Iterator[Any]:
-    """A plain Mooncake client on the shared pool: another party writing into it."""
+    """A plain Mooncake client on the shared pool: another party writing into it.
+
+    One per module: it holds no state of a test's (each test's objects are under a
+    key_prefix of its own), and closing a Mooncake client takes up to a second (its
+    close waits for a background thread of the client that wakes once a second).  Not
+    shared between modules: another module may freeze the pool's master."""
     client = raw_client(mooncake_pool)
     yield client
     client.close()

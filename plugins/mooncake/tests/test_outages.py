@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from lmcache_plugin_mooncake import MooncakeStoreConfig
 from lmcache_plugin_mooncake import backend as backend_module
 from lmcache_plugin_mooncake import client as client_module
 from lmcache_plugin_mooncake.calls import CallPool, CallTimeout
@@ -24,6 +25,7 @@ from mooncake_helpers import backend_of, config_for, eventually, open_adapter
 from lmcache_tiers.errors import BackendUnavailableError, TiersError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import BackendAdapter
+from lmcache_tiers.plugin import free_ports
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import make_keys, pattern
 from lmcache_tiers.testing.processes import wait_stopped
@@ -134,9 +136,7 @@ def test_an_adapter_opened_before_the_master_starts_connects_later(own_cluster: 
         adapter.close()
 
 
-def test_a_missing_client_library_says_what_to_install(
-    monkeypatch: pytest.MonkeyPatch, mooncake_pool: LocalCluster
-) -> None:
+def test_a_missing_client_library_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.import_module
 
     def refuse(name: str, package: str | None = None) -> object:
@@ -148,7 +148,15 @@ def test_a_missing_client_library_says_what_to_install(
     with pytest.raises(
         BackendUnavailableError, match=r"libibverbs.*pip install 'lmcache-plugin-mooncake\[non-cuda\]'"
     ):
-        open_adapter(config_for(mooncake_pool))
+        # Refused before any connection is tried: nothing needs to listen at these ports.
+        metadata_port, master_port = free_ports(2)
+        open_adapter(
+            MooncakeStoreConfig(
+                metadata_server=f"http://127.0.0.1:{metadata_port}/metadata",
+                master_server_address=f"127.0.0.1:{master_port}",
+                global_segment_size=0,
+            )
+        )
 
 
 def test_timeouts_are_put_in_mooncakes_environment_unless_the_operator_set_them(
