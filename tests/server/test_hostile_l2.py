@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import struct
+import uuid
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -18,7 +19,7 @@ import blake3
 import numpy as np
 import pytest
 from hostile_support import exported, read_each, wait_stored, warned_about
-from shared_stores import STARTERS
+from shared_stores import STARTERS, SharedStore
 from tiers_e2e import ServerProcess, digest, fetch, make_keys, make_payloads, start_server
 
 from lmcache_tiers.client import Client
@@ -333,12 +334,22 @@ def test_every_damaged_or_misplaced_record_is_a_counted_miss(
 NAMESPACE = {"mooncake": ("key_prefix", "/"), "redis": ("key_prefix", ":"), "s3": ("prefix", "/")}
 
 
-@pytest.fixture(params=sorted(STARTERS))
-def shared(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[dict[str, Any], dict[str, str]]]:
+@pytest.fixture(scope="module", params=sorted(STARTERS))
+def shared_service(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, SharedStore]]:
+    """One store of each kind for the module's tests (starting one takes seconds)."""
     with ExitStack() as stack:
-        adapter, env = STARTERS[request.param](tmp_path / "store", stack)
-        field, end = NAMESPACE[request.param]
-        yield {**adapter, field: f"stale{end}"}, env
+        yield request.param, STARTERS[request.param](tmp_path_factory.mktemp(request.param), stack)
+
+
+@pytest.fixture
+def shared(shared_service: tuple[str, SharedStore]) -> SharedStore:
+    """The store both servers of a test use, under a namespace of the test's own: no test
+    sees another's records."""
+    kind, (adapter, env) = shared_service
+    field, end = NAMESPACE[kind]
+    return {**adapter, field: f"stale-{uuid.uuid4().hex[:8]}{end}"}, env
 
 
 @pytest.mark.parametrize("size", [CHUNK, CHUNK // 2, 2 * CHUNK], ids=["same-size", "smaller", "larger"])
