@@ -243,14 +243,55 @@ def _mooncake(tmp_path: Path, stack: ExitStack) -> tuple[dict[str, Any], dict[st
 
 
 STORES = {"fs": _fs, "mooncake": _mooncake, "nixl": _nixl, "redis": _redis, "s3": _s3}
+#: the stores that are a service, started once per module: a test works under a namespace
+#: of its own there (the adapter field naming it, and the separator after it)
+NAMESPACE = {"mooncake": ("key_prefix", "/"), "redis": ("key_prefix", ":"), "s3": ("prefix", "/")}
 
 
-@pytest.fixture(params=sorted(STORES))
-def store(
-    request: pytest.FixtureRequest, tmp_path: Path
-) -> Iterator[tuple[str, dict[str, Any], dict[str, str], Objects]]:
+class NamespacedObjects(Objects):
+    """The objects of one namespace of a store: only those a test's servers wrote."""
+
+    def __init__(self, objects: Objects, namespace: str) -> None:
+        self.objects, self.namespace = objects, namespace
+
+    def names(self) -> list[str]:
+        return [name for name in self.objects.names() if name.startswith(self.namespace)]
+
+    def read(self, name: str) -> bytes:
+        return self.objects.read(name)
+
+    def write(self, name: str, data: bytes) -> None:
+        self.objects.write(name, data)
+
+
+@pytest.fixture(scope="module", params=sorted(STORES))
+def store_service(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, tuple[dict[str, Any], dict[str, str], Objects] | None]]:
+    """A Redis, SeaweedFS or Mooncake pool for the module's tests (starting one takes
+    seconds); None for the file stores, each test's directory of its own."""
+    if request.param not in NAMESPACE:
+        yield request.param, None
+        return
     with ExitStack() as stack:
-        yield (request.param, *STORES[request.param](tmp_path, stack))
+        yield request.param, STORES[request.param](tmp_path_factory.mktemp(request.param), stack)
+
+
+@pytest.fixture
+def store(
+    store_service: tuple[str, tuple[dict[str, Any], dict[str, str], Objects] | None], tmp_path: Path
+) -> Iterator[tuple[str, dict[str, Any], dict[str, str], Objects]]:
+    """The test's store, in which only its own records are: a file store's directory, or
+    a namespace of its own in the module's service."""
+    kind, service = store_service
+    if service is None:
+        with ExitStack() as stack:
+            yield (kind, *STORES[kind](tmp_path, stack))
+        return
+    adapter, env, objects = service
+    field, end = NAMESPACE[kind]
+    namespace = f"hostile-{uuid.uuid4().hex[:8]}{end}"
+    yield kind, {**adapter, field: namespace}, env, NamespacedObjects(objects, namespace)
 
 
 def _backend(client: Client) -> dict[str, int]:
@@ -330,8 +371,6 @@ def test_every_damaged_or_misplaced_record_is_a_counted_miss(
 
 
 # -- stale objects: a key stored again by another server sharing the store ------------------
-
-NAMESPACE = {"mooncake": ("key_prefix", "/"), "redis": ("key_prefix", ":"), "s3": ("prefix", "/")}
 
 
 @pytest.fixture(scope="module", params=sorted(STARTERS))
