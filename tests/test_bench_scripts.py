@@ -9,7 +9,9 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 from bench_modules import BENCH, load_bench
@@ -134,8 +136,9 @@ here = pathlib.Path(sys.argv[0]).parent
 marker = here / "segment"
 marker.write_text("")
 server = subprocess.Popen(["sleep", "600"])
-(here / "server.pid").write_text(str(server.pid))
 try:
+    # in the try: a stop sent once this file is there always runs the clean-up
+    (here / "server.pid").write_text(str(server.pid))
     while True:
         time.sleep(0.05)  # short: a signal landing just before one starts waits for its end
 finally:
@@ -163,6 +166,29 @@ def test_a_benchmark_that_times_out_is_stopped_with_the_processes_it_started(
     (tmp_path / "bench_hangs.py").write_text(FAKE_BENCH)
     monkeypatch.setattr(run_all, "BENCH_DIR", tmp_path)
     monkeypatch.setattr(run_all, "STOP_GRACE_S", 10.0, raising=False)
+    server_pid = tmp_path / "server.pid"
+
+    class TimesOutOnceStarted(subprocess.Popen):  # type: ignore[type-arg]
+        """run_all's wait for the benchmark times out as soon as the benchmark has started
+        its server, instead of after the whole timeout: the same timeout path, taken at
+        the moment it exists for, without sitting the timeout out."""
+
+        timed_out = False
+
+        def communicate(self, input: Any = None, timeout: float | None = None) -> Any:
+            if timeout is None or self.timed_out:
+                return super().communicate(input, timeout)
+            self.timed_out = True
+            deadline = time.monotonic() + 60
+            while not (server_pid.exists() and server_pid.read_text()):
+                assert self.poll() is None and time.monotonic() < deadline, "the benchmark never started"
+                time.sleep(0.02)
+            raise subprocess.TimeoutExpired(self.args, timeout)
+
+    shim = types.ModuleType("subprocess")
+    shim.__dict__.update(vars(subprocess))
+    shim.Popen = TimesOutOnceStarted  # type: ignore[attr-defined]
+    monkeypatch.setattr(run_all, "subprocess", shim)
     previous = signal.signal(
         signal.SIGINT, signal.SIG_IGN if run_all_sigint == "ignored" else signal.default_int_handler
     )
@@ -171,7 +197,7 @@ def test_a_benchmark_that_times_out_is_stopped_with_the_processes_it_started(
     finally:
         signal.signal(signal.SIGINT, previous)
     assert outcome.error == "did not finish within 3 s"
-    server = int((tmp_path / "server.pid").read_text())
+    server = int(server_pid.read_text())
     deadline = time.monotonic() + 10
     while alive(server) and time.monotonic() < deadline:
         time.sleep(0.05)
