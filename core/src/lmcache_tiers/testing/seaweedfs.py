@@ -238,8 +238,20 @@ class SeaweedS3:
             return []
         return [f"-s3.cert.file={self._tls_dir / 'cert.pem'}", f"-s3.key.file={self._tls_dir / 'key.pem'}"]
 
+    @property
+    def _master_raft_dir(self) -> Path:
+        """Where ``weed mini`` keeps its master's raft state (``m<master port>`` in the
+        data directory; the filer's metadata and the volumes are elsewhere in it)."""
+        return self.data_dir / f"m{self.ports['master.port']}"
+
     def _start_once(self) -> bool:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        # The master's raft state is dropped: a master that resumes it is leader only a
+        # moment after the volume server's first heartbeat, which it refuses ("not current
+        # leader"), and the volume server tries again 5 s later -- writes stall until then
+        # (a restart in three).  A new master learns the volumes, and the largest file id
+        # each holds, from that heartbeat; objects live in the volumes and the filer.
+        shutil.rmtree(self._master_raft_dir, ignore_errors=True)
         for stale in self._sockets.glob("*.sock"):  # left by a killed server
             stale.unlink(missing_ok=True)
         with self.log_path.open("ab") as log:
