@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -393,63 +394,110 @@ def brief_start_up_check(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(client_module, "_PROBE_READ_S", 0.2)
 
 
+class SilentPeer:
+    """A store on loopback that accepts connections, reads what each request starts with,
+    and never answers: which requests reached it is seen by their method (a lookup's
+    HEAD), apart from the start-up check's (a listing GET, a TLS hello)."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._lock = threading.Lock()
+        self._connections: list[socket.socket] = []
+        self._methods: list[str] = []
+        threading.Thread(target=self._accept, name="silent-peer", daemon=True).start()
+
+    def config(self, **fields: object) -> S3Config:
+        settings: dict[str, object] = {
+            "bucket": BUCKET,
+            "endpoint_url": f"http://127.0.0.1:{self._listener.getsockname()[1]}",
+            "aws_access_key_id": "k",
+            "aws_secret_access_key": "s",
+            "connect_timeout_s": 1.0,
+            "read_timeout_s": 300.0,
+            "request_timeout_s": 300.0,
+            "retries": 0,
+            **fields,
+        }
+        return S3Config(**settings)  # type: ignore[arg-type]
+
+    def requests(self, method: str) -> int:
+        with self._lock:
+            return self._methods.count(method)
+
+    def connections_besides_the_start_up_checks(self) -> int:
+        """Connections made, less those whose first bytes were not a HEAD (the check's
+        listing, its TLS hello): one whose bytes are not read yet counts."""
+        with self._lock:
+            return len(self._connections) - sum(method != "HEAD" for method in self._methods)
+
+    def wait_for_requests(self, method: str, count: int) -> None:
+        deadline = time.monotonic() + DEADLINE_S
+        while self.requests(method) < count:
+            assert time.monotonic() < deadline, f"{count} {method} requests never reached the peer"
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self._listener.close()
+        with self._lock:
+            for connection in self._connections:
+                connection.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _address = self._listener.accept()
+            except OSError:  # closed
+                return
+            with self._lock:
+                self._connections.append(connection)
+            threading.Thread(target=self._read_method, args=(connection,), daemon=True).start()
+
+    def _read_method(self, connection: socket.socket) -> None:
+        start = b""
+        with contextlib.suppress(OSError):
+            while b" " not in start and len(start) < 16:
+                more = connection.recv(16 - len(start))
+                if not more:
+                    break
+                start += more
+        with self._lock:
+            self._methods.append(start.split(b" ", 1)[0].decode("latin-1"))
+
+
+@pytest.fixture
+def silent_peer() -> Iterator[SilentPeer]:
+    peer = SilentPeer()
+    yield peer
+    peer.close()
+
+
 @pytest.mark.usefixtures("brief_start_up_check")
-def test_close_ends_requests_stuck_on_a_silent_peer(l1: memoryview) -> None:
-    with silent_store(read_timeout_s=300.0, request_timeout_s=300.0) as config:
-        adapter = open_adapter(config, l1)
-        task = adapter.submit_lookup_and_lock(make_keys(2))
-        time.sleep(0.5)  # the requests are waiting for an answer now
-        started = time.monotonic()
+def test_close_ends_requests_stuck_on_a_silent_peer(l1: memoryview, silent_peer: SilentPeer) -> None:
+    adapter = open_adapter(silent_peer.config(), l1)
+    task = adapter.submit_lookup_and_lock(make_keys(2))
+    silent_peer.wait_for_requests("HEAD", 2)  # both lookups wait for an answer now
+    started = time.monotonic()
+    adapter.close()
+    assert time.monotonic() - started < 60, "close() waited for the silent peer"
+    results = adapter.pop_completed_lookups()
+    assert results[task].found == [False, False]
+
+
+@pytest.mark.usefixtures("brief_start_up_check")
+def test_close_starts_none_of_the_requests_waiting_for_a_slot(
+    l1: memoryview, silent_peer: SilentPeer
+) -> None:
+    # one request on the wire, the others wait for its slot
+    adapter = open_adapter(silent_peer.config(max_inflight=1), l1)
+    try:
+        task = adapter.submit_lookup_and_lock(make_keys(3))
+        silent_peer.wait_for_requests("HEAD", 1)  # the first request is waiting for an answer
+    finally:
         adapter.close()
-        assert time.monotonic() - started < 60, "close() waited for the silent peer"
-        results = adapter.pop_completed_lookups()
-        assert results[task].found == [False, False]
-
-
-@pytest.mark.usefixtures("brief_start_up_check")
-def test_close_starts_none_of_the_requests_waiting_for_a_slot(l1: memoryview) -> None:
-    import threading
-
-    accepted: list[socket.socket] = []
-    with socket.socket() as silent:  # accepts connections, counts them, never answers
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(64)
-        silent.settimeout(0.2)
-
-        def accept() -> None:
-            while silent.fileno() >= 0:
-                try:
-                    accepted.append(silent.accept()[0])
-                except OSError:
-                    if silent.fileno() < 0:
-                        return
-
-        threading.Thread(target=accept, daemon=True).start()
-        config = S3Config(
-            bucket=BUCKET,
-            endpoint_url=f"http://127.0.0.1:{silent.getsockname()[1]}",
-            aws_access_key_id="k",
-            aws_secret_access_key="s",
-            connect_timeout_s=1.0,
-            read_timeout_s=300.0,
-            request_timeout_s=300.0,
-            retries=0,
-            max_inflight=1,  # one request on the wire, the others wait for its slot
-        )
-        adapter = open_adapter(config, l1)
-        try:
-            before = len(accepted)  # the start-up probe's
-            task = adapter.submit_lookup_and_lock(make_keys(3))
-            deadline = time.monotonic() + 60
-            while len(accepted) == before:  # the first request is waiting for an answer
-                assert time.monotonic() < deadline, "the first request never connected"
-                time.sleep(0.02)
-        finally:
-            adapter.close()
-        assert adapter.pop_completed_lookups()[task].found == [False] * 3
-        assert len(accepted) == before + 1, "a request that waited for a slot went out after close"
-        for connection in accepted:
-            connection.close()
+    assert adapter.pop_completed_lookups()[task].found == [False] * 3
+    assert silent_peer.connections_besides_the_start_up_checks() == 1, (
+        "a request that waited for a slot went out after close"
+    )
 
 
 def test_the_listing_removes_a_digest_named_record_whose_header_names_another_name(
@@ -504,8 +552,6 @@ def test_the_start_up_probe_runs_on_a_thread_named_for_the_adapter() -> None:
     """The bucket check waits on a thread of its own; a thread dump taken while a silent
     store holds start-up must show whose it is, under the ``l2-<adapter>-`` prefix every
     other thread of an adapter has."""
-    import threading
-
     from lmcache_plugin_s3.client import check_bucket
 
     with silent_store(read_timeout_s=1.0) as config:
