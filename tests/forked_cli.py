@@ -151,14 +151,13 @@ class ForkedCli:
     def _answer(self, timeout_s: float) -> int | None:
         """The next number the warm interpreter answers; None if none came in time (read
         from the descriptor itself: a buffered reader could hold both answers of a run
-        while select() waits for more)."""
+        while poll() waits for more)."""
         assert self._warm.stdout is not None
         deadline = time.monotonic() + timeout_s
+        answers = select.poll()  # not select(): a test may hold over 1024 descriptors
+        answers.register(self._warm.stdout.fileno(), select.POLLIN)
         while b"\n" not in self._answers:
-            ready, _, _ = select.select(
-                [self._warm.stdout.fileno()], [], [], max(0.0, deadline - time.monotonic())
-            )
-            if not ready:
+            if not answers.poll(max(0, int((deadline - time.monotonic()) * 1000))):
                 return None
             more = os.read(self._warm.stdout.fileno(), 4096)
             if not more:
