@@ -4,6 +4,7 @@ with one line instead of failing every store later."""
 
 from __future__ import annotations
 
+import ctypes.util
 import importlib.util
 import json
 import os
@@ -140,6 +141,8 @@ def test_obj_without_an_endpoint_override_is_probed_at_aws_own_endpoint_of_its_r
 
 
 def test_serve_with_an_unreachable_azure_blob_endpoint_exits_2_in_one_line() -> None:
+    """Refused by the adapters' pre-flight: before L1 is allocated (the L1 asked for here
+    is more than the machine has, which the L1 check after the pre-flight would refuse)."""
     closed = free_port()
     adapter = {
         "type": "nixl_store",
@@ -152,7 +155,7 @@ def test_serve_with_an_unreachable_azure_blob_endpoint_exits_2_in_one_line() -> 
             *CLI,
             "serve",
             "--l1-size-gb",
-            "0.0625",
+            "100000",
             "--port",
             "0",
             "--metrics-port",
@@ -264,7 +267,8 @@ def test_serve_names_the_adapter_and_path_of_an_endpoint_it_cannot_use(
         },
     ]
     error, output = serve_refusal(adapters, unset_module_env())
-    assert "1:nixl_store: l2 adapter 'nixl_store' from plugin 'lmcache-plugin-nixl': " in error
+    # refused by the pre-flight, before L1: the adapter is the one at the path's index
+    assert error.startswith("error: nixl_store: "), error
     assert f"{backend} endpoint" in error or "is not a URL with a host name" in error
     assert error.endswith(f"- at `$.l2_adapters[1].backend_params.{path}`")
     assert "Traceback" not in output
@@ -285,3 +289,37 @@ def test_serve_names_the_second_adapter_passing_other_parameters_to_one_backend(
     assert "1:nixl_store: l2 adapter 'nixl_store'" in error
     assert error.endswith("- at `$.l2_adapters[1].backend_params.kernel_queue_size`")
     assert "Traceback" not in output
+
+
+@pytest.mark.skipif(
+    ctypes.util.find_library("cufile") is not None,
+    reason="libcufile is installed here; the missing-cuFile path cannot be shown",
+)
+@pytest.mark.parametrize("kind", ["nixl_store", "nixl_store_dynamic"])
+def test_serve_refuses_gds_without_cufile_before_l1(kind: str, tmp_path: Path) -> None:
+    """In the pre-flight: the L1 asked for here is more than the machine has, which the
+    L1 check after the pre-flight would refuse."""
+    adapter = {
+        "type": kind,
+        "backend": "GDS",
+        "backend_params": {
+            "file_path": str(tmp_path),
+            "use_direct_io": "false",
+            **({} if kind == "nixl_store" else {"max_capacity_gb": "1"}),
+        },
+        **({"pool_size": 2} if kind == "nixl_store" else {}),
+    }
+    adapter_flag = ["--l2-adapter", json.dumps(adapter)]
+    done = subprocess.run(
+        [*CLI, "serve", "--l1-size-gb", "100000", "--port", "0", "--metrics-port", "0", *adapter_flag],
+        env={**unset_module_env(), "COLUMNS": "400"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: cannot start the server: NIXL backend GDS needs NVIDIA cuFile (libcufile, CUDA's "
+        "GPUDirect Storage library), which is not installed on this machine"
+    ], done.stderr

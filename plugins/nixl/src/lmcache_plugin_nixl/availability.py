@@ -172,6 +172,16 @@ def proxy_variable(scheme: str, host: str, environ: Mapping[str, str]) -> str | 
     return None
 
 
+def check_before_l1(backend: str, init_params: dict[str, str]) -> None:
+    """What creating ``backend`` needs that neither NIXL nor L1 does: its native libraries
+    and device, and its remote service reachable.  The adapters' pre-flight runs it, so
+    that a server refuses such a config before it allocates (and pre-faults) L1 and loads
+    NIXL, not seconds later; creating the backend checks it again, for callers that run
+    no pre-flight."""
+    check_native_prerequisites(backend)
+    check_remote_endpoint(backend, init_params)
+
+
 def check_remote_endpoint(
     backend: str,
     params: dict[str, str],

@@ -19,7 +19,7 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 
-from lmcache_plugin_nixl.availability import check_direct_io
+from lmcache_plugin_nixl.availability import check_before_l1, check_direct_io
 from lmcache_plugin_nixl.config import FILE_PATH_FIELD, NixlStoreDynamicConfig
 from lmcache_plugin_nixl.lifetime import CallLifetime, count_load_stopped_closing, count_store_stopped_closing
 from lmcache_plugin_nixl.memory import HostMemory
@@ -53,9 +53,10 @@ class NixlDynamicBackend:
     @staticmethod
     def preflight(config: NixlStoreDynamicConfig) -> None:
         """Before L1 exists: the directory is usable and no other server (or adapter)
-        holds it."""
+        holds it; the backend's native libraries are there."""
         config.preflight()
         check_directory_free(config.file_path, FILE_PATH_FIELD, what=_lock_what(config.file_path))
+        check_before_l1(config.backend, config.nixl_init_params())
 
     def __init__(self, config: NixlStoreDynamicConfig, context: BackendContext) -> None:
         self.config = config

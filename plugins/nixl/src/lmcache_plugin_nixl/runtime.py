@@ -28,11 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from lmcache_plugin_nixl.availability import (
-    check_native_prerequisites,
-    check_remote_endpoint,
-    describe_missing_plugin,
-)
+from lmcache_plugin_nixl.availability import check_before_l1, describe_missing_plugin
 from lmcache_tiers.plugin import BackendUnavailableError, FieldError, TiersError
 
 log = logging.getLogger(__name__)
@@ -207,8 +203,7 @@ class NixlRuntime:
 
     def ensure_backend(self, backend: str, init_params: dict[str, str]) -> None:
         """Create ``backend`` once per process, after checking it can run here."""
-        check_native_prerequisites(backend)
-        check_remote_endpoint(backend, init_params)
+        check_before_l1(backend, init_params)
         with self._lock:
             # A misspelt parameter is named as such, whether or not the backend is up.
             options = self._plugin_options(backend)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import xxhash
 
+from lmcache_plugin_nixl.availability import check_before_l1
 from lmcache_plugin_nixl.config import FILE_PATH_FIELD, NixlStoreConfig
 from lmcache_plugin_nixl.lifetime import CallLifetime, count_load_stopped_closing, count_store_stopped_closing
 from lmcache_plugin_nixl.memory import HostMemory
@@ -38,10 +39,12 @@ class NixlStoreBackend:
     @staticmethod
     def preflight(config: NixlStoreConfig) -> None:
         """Before L1 exists: a file backend's directory is usable and no other server (or
-        adapter) holds it."""
+        adapter) holds it; the backend's native libraries are there and its remote service
+        answers."""
         config.preflight()
         if config.is_file_backend:
             check_directory_free(config.file_path, FILE_PATH_FIELD, what=lock_what(config.file_path))
+        check_before_l1(config.backend, config.nixl_init_params())
 
     def __init__(self, config: NixlStoreConfig, context: BackendContext) -> None:
         self.config = config
