@@ -800,15 +800,25 @@ sys.exit(1 if unexpected or any(thread.is_alive() for thread in threads) else 0)
 
 def test_closing_a_client_other_threads_use_neither_crashes_nor_confuses_them(server: TiersServer) -> None:
     # In a child: a socket closed under a thread using it used to abort the whole process.
-    for _ in range(3):
-        child = subprocess.run(
+    # Three children, each a chance at the race, run side by side, not one after another.
+    children = [
+        subprocess.Popen(
             [sys.executable, "-c", _CLOSED_UNDER_THREADS, server.endpoint],
-            timeout=120,
-            check=False,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
         )
-        assert child.returncode == 0, child.stdout + child.stderr
+        for _ in range(3)
+    ]
+    try:
+        for child in children:
+            output, _ = child.communicate(timeout=120)
+            assert child.returncode == 0, output
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
 
 
 class _DropNoticedClient(Client):
