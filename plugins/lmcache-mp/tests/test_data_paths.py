@@ -19,8 +19,18 @@ REG = Registration()
 CHUNK = REG.object_bytes
 MOCK_L2 = [json.dumps({"type": "mock", "max_size_gb": 0.1})]
 #: an L2 whose lookups and loads take a second: a lookup's prefetch is still running
-#: while the test's next request arrives
-SLOW_L2 = [json.dumps({"type": "mock", "max_size_gb": 0.1, "latency_s": 1.0})]
+#: while the test's next request arrives (its stores are not slowed: the flush that puts
+#: the chunks in L2 does not wait)
+SLOW_L2 = [
+    json.dumps(
+        {
+            "type": "fault_inject",
+            "inner": {"type": "mock", "max_size_gb": 0.1},
+            "delay_s": 1.0,
+            "delay_ops": ["lookup", "load"],
+        }
+    )
+]
 
 
 def in_l2_alone(server: Any, client: MPClient, sequence: int) -> tuple[str, list[bytes]]:
