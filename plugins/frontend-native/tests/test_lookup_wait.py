@@ -3,6 +3,7 @@ and old clients and old servers keep working both ways."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -19,7 +20,16 @@ from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.wire import protocol as p
 
 Factory = Callable[..., TiersServer]
-SLOW_MOCK = '{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.3}'
+#: an L2 whose lookups and loads each take 0.3 s; its stores (the flush that puts the keys
+#: there) are not slowed
+SLOW_MOCK = json.dumps(
+    {
+        "type": "fault_inject",
+        "inner": {"type": "mock", "max_size_gb": 0.1},
+        "delay_s": 0.3,
+        "delay_ops": ["lookup", "load"],
+    }
+)
 
 
 def requests_of(server: TiersServer) -> Counter[str]:

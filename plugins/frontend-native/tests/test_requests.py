@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -31,6 +32,16 @@ Factory = Callable[..., TiersServer]
 
 def blobs(count: int, size: int = 10_000) -> list[bytes]:
     return [os.urandom(size) for _ in range(count)]
+
+
+def slow_l2(seconds: float) -> str:
+    """An L2 whose lookups and loads each take ``seconds`` (a prefetch from it is still
+    running when the test's next request comes); its stores are not slowed, so putting
+    the keys there (a flush) does not wait."""
+    inner = {"type": "mock", "max_size_gb": 0.1}
+    return json.dumps(
+        {"type": "fault_inject", "inner": inner, "delay_s": seconds, "delay_ops": ["lookup", "load"]}
+    )
 
 
 def l1(server: TiersServer) -> dict[str, int]:
@@ -444,7 +455,7 @@ def _give_up_on(call: str, server: TiersServer, client: Client, keys: list[Objec
 def test_a_call_that_times_out_has_its_locks_given_back_when_the_reply_turns_up(
     make_server: Factory, call: str
 ) -> None:
-    server = make_server(adapters=['{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.3}'])
+    server = make_server(adapters=[slow_l2(0.3)])
     keys = keys_of(3)
     with Client(server.endpoint) as client:
         _only_in_l2(server, client, keys)
@@ -454,7 +465,7 @@ def test_a_call_that_times_out_has_its_locks_given_back_when_the_reply_turns_up(
 
 
 def test_prefetch_from_l2_runs_off_the_loop(make_server: Factory) -> None:
-    server = make_server(adapters=['{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.5}'])
+    server = make_server(adapters=[slow_l2(0.5)])
     keys, data = keys_of(3), blobs(3)
     with Client(server.endpoint) as client:
         client.store(keys, data)
@@ -957,7 +968,7 @@ def test_a_key_retrieved_twice_in_one_request_cannot_release_another_clients_loc
 
 
 def test_a_late_lookup_reply_gives_back_its_own_locks_not_a_retrieves(make_server: Factory) -> None:
-    server = make_server(adapters=['{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.3}'])
+    server = make_server(adapters=[slow_l2(0.3)])
     keys, data = keys_of(3), blobs(3)
     with Client(server.endpoint) as client, Client(server.endpoint) as other:
         client.store(keys, data)
@@ -1010,15 +1021,15 @@ def test_a_prefetch_started_before_a_server_restart_is_never_another_ones(make_s
     the client's next connection is a new session there: waited on now, the old handle
     must not collect the prefetch the restarted server started for this client's next
     LOOKUP (that one's hit count and locks, taken for other keys)."""
-    slow_l2 = ['{"type": "mock", "max_size_gb": 0.1, "latency_s": 0.3}']
+    slow = [slow_l2(0.3)]
     port = free_port()
-    first = make_server(adapters=slow_l2, port=port)
+    first = make_server(adapters=slow, port=port)
     with Client(first.endpoint, timeout=30) as client:
         before, hits = client.start_lookup(keys_of(2))  # nothing in L1: the slow L2 is asked
         assert hits is None
         first.request_stop()
         assert first.frontends[0].join(30)
-        second = make_server(adapters=slow_l2, port=port)
+        second = make_server(adapters=slow, port=port)
         theirs = keys_of(2)
         with Client(second.endpoint) as other:
             _only_in_l2(second, other, theirs)
