@@ -150,7 +150,11 @@ class MPClient:
 
     def unanswered(self, op: str | int, *args: Any, wait_ms: int = 300) -> bool:
         """True when ``op`` gets no reply within ``wait_ms`` (what LMCache's server does on errors)."""
-        return self.receive(self.send(op, *args), wait_ms) is _NO_REPLY
+        return self.no_reply_to(self.send(op, *args), wait_ms)
+
+    def no_reply_to(self, uid: bytes, wait_ms: int = 300) -> bool:
+        """True when the request sent as ``uid`` gets no reply within ``wait_ms``."""
+        return self.receive(uid, wait_ms) is _NO_REPLY
 
     # -- the calls LMCache's bench makes -----------------------------------------------------
 

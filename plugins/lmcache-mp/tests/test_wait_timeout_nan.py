@@ -7,12 +7,23 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 from mp_counts import mp_stats
 from mpclient import Key, MPClient, Registration, chunk_payloads, mp_address, tokens_of
 
 REG = Registration()
 #: an L2 whose lookups and loads take a second: the prefetch is running when the wait comes
-SLOW_L2 = [json.dumps({"type": "mock", "max_size_gb": 0.1, "latency_s": 1.0})]
+#: (its stores are not slowed: the flush that puts the chunks there does not wait)
+SLOW_L2 = [
+    json.dumps(
+        {
+            "type": "fault_inject",
+            "inner": {"type": "mock", "max_size_gb": 0.1},
+            "delay_s": 1.0,
+            "delay_ops": ["lookup", "load"],
+        }
+    )
+]
 
 
 def test_a_wait_with_a_nan_timeout_is_refused(make_mp_server: Any) -> None:
@@ -24,7 +35,18 @@ def test_a_wait_with_a_nan_timeout_is_refused(make_mp_server: Any) -> None:
         assert server.storage.flush(timeout=60)
         assert client.call("clear", True) is None
         client.call("lookup", Key(tokens_of(5), "w").encode(), 1)
-        # long enough for the prefetch to end: a wait that spun answers by then
-        assert client.unanswered("wait_prefetch_status", "w", float("nan"), wait_ms=5000)
+        nan_wait = client.send("wait_prefetch_status", "w", float("nan"))
+        # A wait with a timeout answers when the prefetch ends, which is when a wait that
+        # spun would answer too: no reply to the NaN one may come before it, nor just after.
+        wait = client.send("wait_prefetch_status", "w", 30.0)
+        before: list[bytes] = []
+        while True:
+            assert client.socket.poll(30_000), "the wait with a timeout was not answered"
+            frames = client.socket.recv_multipart()
+            if frames[0] == wait:
+                break
+            before.append(frames[0])
+        assert nan_wait not in before, "the wait with a NaN timeout was answered"
+        assert msgspec.msgpack.decode(frames[2]) == 4  # the lookup itself stands
+        assert client.no_reply_to(nan_wait), "the wait with a NaN timeout was answered"
         assert mp_stats(server).failures["mp_bad_request"] == 1
-        assert client.call("wait_prefetch_status", "w", 30.0) == 4  # the lookup itself stands
