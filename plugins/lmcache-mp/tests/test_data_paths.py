@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from mp_slow_l2 import SLOW_L2
 from mpclient import Key, MPClient, Registration, chunk_payloads, mp_address, pickled_chunks, tokens_of
 
 from lmcache_tiers.client import Client
@@ -18,19 +19,6 @@ from lmcache_tiers.plugin import kv_rank_of
 REG = Registration()
 CHUNK = REG.object_bytes
 MOCK_L2 = [json.dumps({"type": "mock", "max_size_gb": 0.1})]
-#: an L2 whose lookups and loads take a second: a lookup's prefetch is still running
-#: while the test's next request arrives (its stores are not slowed: the flush that puts
-#: the chunks in L2 does not wait)
-SLOW_L2 = [
-    json.dumps(
-        {
-            "type": "fault_inject",
-            "inner": {"type": "mock", "max_size_gb": 0.1},
-            "delay_s": 1.0,
-            "delay_ops": ["lookup", "load"],
-        }
-    )
-]
 
 
 def in_l2_alone(server: Any, client: MPClient, sequence: int) -> tuple[str, list[bytes]]:

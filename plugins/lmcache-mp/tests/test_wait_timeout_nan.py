@@ -4,26 +4,14 @@ pause for as long as the lookup's prefetch from L2 ran."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import msgspec
 from mp_counts import mp_stats
+from mp_slow_l2 import SLOW_L2
 from mpclient import Key, MPClient, Registration, chunk_payloads, mp_address, tokens_of
 
 REG = Registration()
-#: an L2 whose lookups and loads take a second: the prefetch is running when the wait comes
-#: (its stores are not slowed: the flush that puts the chunks there does not wait)
-SLOW_L2 = [
-    json.dumps(
-        {
-            "type": "fault_inject",
-            "inner": {"type": "mock", "max_size_gb": 0.1},
-            "delay_s": 1.0,
-            "delay_ops": ["lookup", "load"],
-        }
-    )
-]
 
 
 def test_a_wait_with_a_nan_timeout_is_refused(make_mp_server: Any) -> None:

@@ -140,6 +140,23 @@ def test_obj_without_an_endpoint_override_is_probed_at_aws_own_endpoint_of_its_r
     )
 
 
+def refused_before_l1(adapter: dict[str, Any]) -> tuple[int, str]:
+    """(exit code, the one ``error:`` line) of ``serve`` with ``adapter``, asked for an L1
+    larger than the machine has: a refusal other than the L1 check's (which comes after
+    the adapters' pre-flight) came before L1 was allocated."""
+    serve = ["serve", "--l1-size-gb", "100000", "--port", "0", "--metrics-port", "0"]
+    done = subprocess.run(
+        [*CLI, *serve, "--l2-adapter", json.dumps(adapter)],
+        env={**unset_module_env(), "COLUMNS": "400"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr[-2000:]
+    return done.returncode, errors[0]
+
+
 def test_serve_with_an_unreachable_azure_blob_endpoint_exits_2_in_one_line() -> None:
     """Refused by the adapters' pre-flight: before L1 is allocated (the L1 asked for here
     is more than the machine has, which the L1 check after the pre-flight would refuse)."""
@@ -150,30 +167,10 @@ def test_serve_with_an_unreachable_azure_blob_endpoint_exits_2_in_one_line() -> 
         "pool_size": 4,
         "backend_params": {"account_url": f"http://127.0.0.1:{closed}/acct", "container_name": "kv"},
     }
-    done = subprocess.run(
-        [
-            *CLI,
-            "serve",
-            "--l1-size-gb",
-            "100000",
-            "--port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--l2-adapter",
-            json.dumps(adapter),
-        ],
-        env={**unset_module_env(), "COLUMNS": "400"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 2, done.stderr[-2000:]
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, done.stderr
+    code, error = refused_before_l1(adapter)
+    assert code == 2, error
     assert (
-        f"AZURE_BLOB endpoint http://127.0.0.1:{closed}/acct (127.0.0.1:{closed}) cannot be reached"
-        in errors[0]
+        f"AZURE_BLOB endpoint http://127.0.0.1:{closed}/acct (127.0.0.1:{closed}) cannot be reached" in error
     )
 
 
@@ -309,17 +306,8 @@ def test_serve_refuses_gds_without_cufile_before_l1(kind: str, tmp_path: Path) -
         },
         **({"pool_size": 2} if kind == "nixl_store" else {}),
     }
-    adapter_flag = ["--l2-adapter", json.dumps(adapter)]
-    done = subprocess.run(
-        [*CLI, "serve", "--l1-size-gb", "100000", "--port", "0", "--metrics-port", "0", *adapter_flag],
-        env={**unset_module_env(), "COLUMNS": "400"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 1, done.stderr[-2000:]
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [
+    assert refused_before_l1(adapter) == (
+        1,
         "error: cannot start the server: NIXL backend GDS needs NVIDIA cuFile (libcufile, CUDA's "
-        "GPUDirect Storage library), which is not installed on this machine"
-    ], done.stderr
+        "GPUDirect Storage library), which is not installed on this machine",
+    )
