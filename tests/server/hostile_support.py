@@ -47,3 +47,19 @@ def warned_about(log: str, keys: list[ObjectKey]) -> list[str]:
     """The keys a WARNING line of ``log`` names."""
     warnings = [line for line in log.splitlines() if " WARNING " in line]
     return [key.file_stem() for key in keys if any(key.file_stem() in line for line in warnings)]
+
+
+def damaged_served(
+    client: Client, keys: list[ObjectKey], expected: list[str], labels: list[str], what: str
+) -> list[str]:
+    """Read back ``keys`` stored with ``expected`` digests, the first and the last intact
+    and those between damaged (named by ``labels``), out of L1: a lookup of them all
+    promises at most the intact first and hands out its bytes; then each key alone
+    (``read_each``: a hit has the stored bytes). The labels of the damaged keys served."""
+    found = client.lookup(keys)
+    assert found <= 1
+    with client.retrieve(keys[:found]) as views:
+        assert digest(views) == expected[:found]
+    hits = read_each(client, keys, expected)
+    assert hits[0] and hits[-1], f"an intact {what} was lost"
+    return [label for label, hit in zip(labels, hits[1:-1], strict=True) if hit]

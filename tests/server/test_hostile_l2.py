@@ -18,7 +18,7 @@ from typing import Any
 import blake3
 import numpy as np
 import pytest
-from hostile_support import exported, read_each, wait_stored, warned_about
+from hostile_support import damaged_served, exported, read_each, wait_stored, warned_about
 from shared_stores import STARTERS, SharedStore
 from tiers_e2e import ServerProcess, digest, fetch, make_keys, make_payloads, start_server
 
@@ -299,6 +299,23 @@ def _backend(client: Client) -> dict[str, int]:
     return stats
 
 
+def _out_of_l1(
+    server: ServerProcess,
+    client: Client,
+    restart: bool,
+    directory: Path,
+    adapter: dict[str, Any],
+    env: dict[str, str],
+) -> ServerProcess:
+    """The chunks stored out of L1: the server stopped and another started on ``adapter``
+    in ``directory`` (returned), or without ``restart`` L1 cleared (``server`` returned)."""
+    if not restart:
+        client.clear(force=True)
+        return server
+    assert server.stop() == 0, server.output()
+    return start_server(directory, adapters=[adapter], env=env)
+
+
 def _metrics(server: ServerProcess) -> str:
     assert server.http_url is not None
     status, _, body = fetch(server.http_url + "/metrics")
@@ -326,21 +343,10 @@ def test_every_damaged_or_misplaced_record_is_a_counted_miss(
             names = [objects.find(key) for key in keys]
             for (_, damage), name in zip(DAMAGE, names[1:], strict=False):
                 objects.write(name, damage(objects.read(name), other))
-            if restart:
-                assert server.stop() == 0, server.output()
-                server = start_server(tmp_path / "second", adapters=[adapter], env=env)
-            else:
-                client.clear(force=True)
+            server = _out_of_l1(server, client, restart, tmp_path / "second", adapter, env)
         with Client(server.url, timeout=60) as client:
             assert client.status()["l1"]["objects"] == 0
-            # The whole sequence: the prefix up to the first damaged key, and its bytes.
-            found = client.lookup(keys)
-            assert found <= 1
-            with client.retrieve(keys[:found]) as views:
-                assert digest(views) == expected[:found]
-            hits = read_each(client, keys, expected)
-            served = [label for (label, _), hit in zip(DAMAGE, hits[1:-1], strict=True) if hit]
-            assert hits[0] and hits[-1], "an intact record was lost"
+            served = damaged_served(client, keys, expected, [label for label, _ in DAMAGE], "record")
             # A load of a key mooncake knows reads the ranges of the record it stored
             # (docs/adapters/mooncake.md): bytes appended behind that record are not read,
             # and the payload handed out is the stored one, verified (checked above).
@@ -549,11 +555,7 @@ def test_records_with_a_valid_header_crc_and_impossible_fields_are_misses(
             for (_, forge, _), key in zip(FORGED, keys[1:], strict=True):
                 name = objects.find(key)
                 objects.write(name, forge(objects.read(name)))
-            if restart:
-                assert server.stop() == 0, server.output()
-                server = start_server(tmp_path / "second", adapters=[adapter], env=env)
-            else:
-                client.clear(force=True)
+            server = _out_of_l1(server, client, restart, tmp_path / "second", adapter, env)
         with Client(server.url, timeout=60) as client:
             found = client.lookup(keys)
             with client.retrieve(keys[:found]) as views:
@@ -685,11 +687,7 @@ def test_records_re_signed_around_payloads_the_chain_did_not_write_are_misses(
             for (_, forge), key in zip(cases, keys[1:-1], strict=True):
                 name = objects.find(key)
                 objects.write(name, forge(objects.read(name), other))
-            if restart:
-                assert server.stop() == 0, server.output()
-                server = start_server(tmp_path / "second", adapters=[config], env=env)
-            else:
-                client.clear(force=True)
+            server = _out_of_l1(server, client, restart, tmp_path / "second", config, env)
         with Client(server.url, timeout=60) as client:
             hits = read_each(client, keys, expected)
             assert hits[0] and hits[-1], "an intact record was lost"
