@@ -225,23 +225,28 @@ def test_a_second_signal_stops_waiting_for_client_processes_and_the_server(tmp_p
         os.kill(server.proc.pid, signal.SIGSTOP)  # answers nothing from here on
         frozen = True
         replay.send_signal(signal.SIGINT)
-        # The second: SIGINT is handled first even when both are pending (lower number).
-        replay.send_signal(signal.SIGTERM)
+        replay.send_signal(signal.SIGTERM)  # the second
         out, err = replay.communicate(timeout=120)
     finally:
         replay.kill()
         if frozen:
             os.kill(server.proc.pid, signal.SIGCONT)
         server.stop(signal.SIGKILL)
-    assert replay.returncode == 130, err
+    # The replay stops as the signal it handles first asked. That is SIGINT when both are
+    # pending (CPython runs their handlers in signal-number order), but one run on a loaded
+    # machine handled SIGTERM first, the two sent back to back. Either way the other one
+    # cuts the waits short.
+    names = {130: ("SIGINT", "SIGTERM"), 143: ("SIGTERM", "SIGINT")}
+    assert replay.returncode in names, err
+    first, second = names[replay.returncode]
     assert "Traceback" not in err, err
     # (while the client processes were still being started, if the second signal came then)
-    assert "replay: SIGTERM came again" in err, err
+    assert f"replay: {second} came again" in err, err
     # killed while they waited on the server, instead of waited for
     assert "2 of 2 client processes ended without their figures" in err, err
     document = json.loads(out)
     assert document["stopped"] == (
-        f"interrupted (SIGINT) after {document['requests']:,} of 4,000 requests; "
+        f"interrupted ({first}) after {document['requests']:,} of 4,000 requests; "
         "the server's counters could not be read: a second signal asked not to wait for them"
     )
     assert document["l1_hit_blocks"] is None
