@@ -66,6 +66,7 @@ _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 _OK = p.ErrorCode.OK.value
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
 _DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
 _HANDSHAKE_SUCCEEDED = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
 # The backend's methods, without the sugar wrappers (routing_id/group support for socket
@@ -98,7 +99,11 @@ HEARTBEAT_TIMEOUT_MS = 10_000
 RECONNECT_IVL_MS = 100
 #: a request sent at most this long after the connection events were last read needs no
 #: new read for its ``_link_epoch`` (a read costs a system call, a good share of a LOOKUP)
+#: -- unless that read found no connection: a new one may come up at any time after it
 _EVENTS_FRESH_S = RECONNECT_IVL_MS / 1000 / 2
+#: the longest a send waits for the report of a connection the socket can already send
+#: over (libzmq hands the socket a new connection a moment before it reports it)
+_CONNECTION_REPORT_WAIT_S = RECONNECT_IVL_MS / 1000 / 2
 # Monitor endpoints are named uniquely: a closed client's name may stay bound for a while.
 _MONITORS = itertools.count()
 #: requests given up on, and running prefetches, remembered per client (oldest forgotten)
@@ -427,14 +432,49 @@ class Connection:
         least the reconnect interval; so a drop not seen by a read of the events less than
         half that interval ago left no other connection to send over: the request went over
         the connection that dropped, or into its pipe, and cannot be answered.  Reads older
-        than that are done again first.  A send that succeeds while the last event seen is a
-        drop may also have gone into the dropped connection's pipe, which the socket had
-        not let go of yet: that drop counts as coming after it.  At worst a request that
-        reached a new connection is taken as lost, failing early; its reply is then
-        settled like that of any request given up on."""
-        if now - self._events_read_at > _EVENTS_FRESH_S:
+        than that are done again first, and so is a read that found no connection: the
+        next one may have come up any time since (the reconnect interval runs from the
+        drop, not from the read), and a request sent over it would be taken as sent before
+        the drop, failing at its first look at the connection although it is answered.
+
+        A send that succeeds while the last event seen is a drop may also have gone into
+        the dropped connection's pipe, which the socket had not let go of yet: that drop
+        counts as coming after it.  libzmq lets go of that pipe a moment after reporting
+        the drop, and hands the socket a new connection a moment before reporting it:
+        while the socket can send although the last event seen is a drop, the events are
+        read again until it cannot (the old pipe went) or the new connection is reported
+        (``_await_connection_report``).  At worst (that report late by more than
+        ``_CONNECTION_REPORT_WAIT_S``) a request that reached a new connection is taken as
+        lost, failing early; its reply is then settled like that of any request given up
+        on."""
+        if self._unlinked or now - self._events_read_at > _EVENTS_FRESH_S:
             self._read_link_events()
+            if self._unlinked:
+                self._await_connection_report()
         return self._drops - 1 if self._unlinked else self._drops
+
+    def _await_connection_report(self) -> None:
+        """While the last event seen is a drop and the socket can send all the same, read
+        the events again (caller holds the lock), for up to ``_CONNECTION_REPORT_WAIT_S``:
+        see ``_link_epoch``.  Asking whether the socket can send also makes it take in
+        what its I/O thread told it (the old pipe's end, a new connection), so a send that
+        follows goes where the events say."""
+        monitor = self._monitor
+        if monitor is None:
+            return
+        deadline = time.monotonic() + _CONNECTION_REPORT_WAIT_S
+        with contextlib.suppress(zmq.ZMQError):
+            while self._unlinked and int(_raw_get(self._socket, _EVENTS)) & _POLLOUT:
+                remaining = deadline - time.monotonic()
+                if not remaining > 0:
+                    return
+                # In slices of a millisecond: the old pipe's end is told to the socket, not
+                # reported on the monitor.
+                monitor.poll(_wait_ms(min(remaining, _MIN_WAIT_S)), zmq.POLLIN)
+                self._read_link_events()
+            if not self._unlinked:
+                # Taken in now, the new connection and, before it, the old pipe's end.
+                _raw_get(self._socket, _EVENTS)
 
     def _link_lost(self, sent_at: int) -> bool:
         """Whether a request sent at ``sent_at`` (its ``_link_epoch``) can no longer be
@@ -491,10 +531,12 @@ class Connection:
         req_id = request.req_id
         # Outstanding before the send: an exception right after it (a signal handler's)
         # leaves a request whose reply may come, given up on below like an unanswered one.
-        # Its _link_epoch, without the call when the events were read recently enough.
-        if now - self._events_read_at > _EVENTS_FRESH_S:
-            self._read_link_events()
-        self._outstanding[req_id] = self._drops - 1 if self._unlinked else self._drops
+        # Its _link_epoch, without the call when the events were read recently enough and
+        # found the connection up.
+        if self._unlinked or now - self._events_read_at > _EVENTS_FRESH_S:
+            self._outstanding[req_id] = self._link_epoch(now)
+        else:
+            self._outstanding[req_id] = self._drops
         try:
             try:
                 _raw_send(sock, header, _NOBLOCK)
