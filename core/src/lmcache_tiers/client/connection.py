@@ -869,11 +869,27 @@ class Connection:
         server's TTL.  The follow-up request's own reply is discarded like this one.
 
         Read locks go one per key (``once``): a RETRIEVE of the same keys may be in
-        flight or its views in use, under locks of their own."""
+        flight or its views in use, under locks of their own.
+
+        A reply read after the connection it came over dropped (it was in the socket
+        before the drop) is left alone: what its request took lives in that connection's
+        session (or in a server that restarted since), which no request over the next
+        connection reaches.  A RELEASE or STORE_ABORT by key over that one would give back
+        what this client took since under the same keys -- a lookup's lock, the
+        reservation of a store being copied into, whose extent would go back to the
+        allocator under the copy."""
         orphan = self._orphans.pop(reply.req_id, None)
         if orphan is None or reply.code != p.ErrorCode.OK:
             return
-        request, keys, _ = orphan
+        request, keys, sent_at = orphan
+        if self._link_lost(sent_at):
+            logger.info(
+                "a late reply to %s came over a connection to %s that has dropped since: what it "
+                "took there is left to the server's TTLs, not given back over the next connection",
+                type(request).__name__,
+                self.url,
+            )
+            return
         follow_up: p._Request | None = None
         if isinstance(request, p.StoreReserve) and isinstance(reply, p.StoreReserveReply):
             keys = [k for k, slot in zip(request.keys, reply.slots, strict=False) if slot.offset != p.NO_SLOT]
