@@ -59,7 +59,7 @@ Piece = tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], int]
 class _Job:
     """Pieces of one copy and who has taken which; its condition guards every field."""
 
-    __slots__ = ("back", "error", "front", "group", "pieces", "prepare", "running", "settled")
+    __slots__ = ("back", "error", "front", "group", "helping", "pieces", "prepare", "running", "settled")
 
     def __init__(self, pieces: Sequence[Piece], prepare: Callable[[int], object], total: int) -> None:
         self.pieces = pieces
@@ -72,6 +72,9 @@ class _Job:
         self.front = 0
         self.back = len(pieces)
         self.running = 0  # groups taken and not yet done with
+        # those of them the helper copies: a signal handler's exception can leave the
+        # calling thread's count behind, never the helper's (see ``abandon``)
+        self.helping = 0
         self.error: BaseException | None = None
         self.settled = threading.Condition()
 
@@ -90,6 +93,7 @@ class _Job:
                     taken = range(self.front, min(self.back, self.front + group))
                     self.front = taken.stop
                 self.running += 1
+                self.helping += from_back
             failed: BaseException | None = None
             try:
                 for index in taken:
@@ -101,13 +105,14 @@ class _Job:
                 failed = exc  # the group is left alone, as are the pieces nobody took
             with self.settled:
                 self.running -= 1
+                self.helping -= from_back
                 if failed is not None and self.error is None:
                     self.error = failed
                     self.front = self.back  # nobody starts another piece
-                if not self.running and self.front >= self.back:
-                    # ``wait`` (called once nothing is left to take) waits for this alone:
-                    # a notify per group costs a store of many small chunks more than its
-                    # bookkeeping does.
+                if self.front >= self.back and not (self.running and self.helping):
+                    # ``wait`` (called once nothing is left to take) waits for this alone,
+                    # ``abandon`` for the helper's last group: a notify per group costs a
+                    # store of many small chunks more than its bookkeeping does.
                     self.settled.notify_all()
 
     def wait(self) -> None:
@@ -118,6 +123,24 @@ class _Job:
                 self.settled.wait()
         if self.error is not None:
             raise self.error
+
+    def abandon(self) -> None:
+        """The calling thread leaves the copy early (an exception outside its pieces, a
+        signal handler's, in ``work`` or ``wait``): no piece is started any more, and the
+        group the helper is copying is waited for.  The caller gives the memory back once
+        it returns -- a store aborts its reservation, a retrieve releases its extents, a
+        client closed meanwhile unmaps the arena -- and a copy after that would write into
+        another writer's object, or fault.  At most one group (``GROUP_BYTES``) is waited
+        for, also through further exceptions of the kind: the first is the caller's."""
+        while True:
+            try:
+                with self.settled:
+                    self.front = self.back
+                    while self.helping:
+                        self.settled.wait()
+                return
+            except BaseException:  # another signal handler's: the group ends all the same
+                continue
 
 
 class _HelperQueue:
@@ -207,8 +230,12 @@ class SplitCopier:
             return
         helper_queue.wakeups.put(None)
         try:
-            job.work()
-            job.wait()
+            try:
+                job.work()
+                job.wait()
+            except BaseException:
+                job.abandon()
+                raise
         finally:
             # Not taken up by the helper (busy with another copy): it would keep this
             # copy's buffers alive until it is.
