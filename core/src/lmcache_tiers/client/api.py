@@ -453,9 +453,12 @@ class Client(Connection):
         except BaseException:
             with contextlib.suppress(ClientError):
                 self._greet_again_if_dropped()
-                self._call(p.StoreAbort(0, "", reserved), p.StoreReply, timeout=self._cleanup_seconds())
+                if self._reserved_here(segment):
+                    self._call(p.StoreAbort(0, "", reserved), p.StoreReply, timeout=self._cleanup_seconds())
             raise
         self._greet_again_if_dropped()
+        if not self._reserved_here(segment):
+            raise _ServerChanged(self.url)  # the bytes went into the old server's segment
         done = self._call(p.StoreCommit(0, "", reserved, l1_only), p.StoreReply).done
         return sum(done)
 
@@ -465,6 +468,17 @@ class Client(Connection):
         the old one only once a HELLO tells it this process's pid (else they stay fenced
         while this process lives)."""
         self._follow_server()
+
+    def _reserved_here(self, segment: MappedSegment) -> bool:
+        """After ``_greet_again_if_dropped``, before a commit or abort of reservations in
+        ``segment``: whether the server greeted last is the one that made them.  A server
+        that restarted meanwhile (this call's greeting, or another thread's, mapped its
+        segment instead) holds none of them, and may hold this client's reservations of
+        the same keys made since, whose bytes are not copied yet: a commit by key would
+        hand those out unwritten, an abort would free their extents under their copies.
+        (A client closed meanwhile sends neither: the call says so.)"""
+        with self._lock:
+            return self._segment is segment or self._closed
 
     def lookup(self, keys: Sequence[ObjectKey], timeout: float | None = None) -> int:
         """How many leading keys the server holds in L1 or L2, waiting (up to ``timeout``,

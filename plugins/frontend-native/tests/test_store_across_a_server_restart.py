@@ -1,0 +1,84 @@
+"""A shared-memory store whose server restarted at its address while it copied into its
+reservations: its bytes went into the old server's segment, and its reservations went
+with that server.  Its commit (or abort) must not reach the restarted server, where the
+client may hold reservations of the same keys again (another thread storing them) whose
+bytes are not copied yet: committing those would hand readers bytes nobody wrote."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from native_keys import keys_of
+
+from lmcache_tiers.client import Client
+from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.testing.ports import free_port
+from lmcache_tiers.wire import protocol as p
+
+Factory = Callable[..., TiersServer]
+
+CHUNK = 4096
+
+
+def _until_the_drop_is_seen(client: Client) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        with client._lock:
+            client._read_link_events()
+            if client._unlinked:
+                return
+        assert time.monotonic() < deadline, "the client never saw its connection drop"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["commit", "abort"])
+def test_a_store_whose_server_restarted_under_its_copy_touches_no_reservation_there(
+    make_server: Factory, monkeypatch: pytest.MonkeyPatch, fails: bool
+) -> None:
+    port = free_port()
+    first = make_server(port=port)
+    keys = keys_of(2)
+    buffers = [np.full(CHUNK, index + 1, dtype=np.uint8) for index in range(len(keys))]
+    with Client(first.endpoint, timeout=30) as client:
+        segment = client._segment
+        assert segment is not None
+        write_many = segment.write_many
+        theirs: list[list[p.Slot]] = []
+
+        def write_then_restart(copies: Any) -> None:
+            """The store's copy; meanwhile the server restarts, and another thread of the
+            client greets it and reserves the same keys (its copy still to come)."""
+            write_many(copies)
+            first.request_stop()
+            assert first.frontends[0].join(30)
+            _until_the_drop_is_seen(client)
+            make_server(port=port)
+            client._follow_server()
+            sizes = [CHUNK] * len(keys)
+            theirs.append(client._call(p.StoreReserve(0, "", keys, sizes), p.StoreReserveReply).slots)
+            assert all(slot.offset != p.NO_SLOT for slot in theirs[0])
+            if fails:
+                raise KeyboardInterrupt  # the store is cut short after its copy
+
+        monkeypatch.setattr(segment, "write_many", write_then_restart)
+        if fails:
+            with pytest.raises(KeyboardInterrupt):
+                client.store(keys, buffers)
+        else:
+            client.store(keys, buffers)
+        assert theirs
+        # The other thread's reservations are still its own: it copies and commits them.
+        current = client._segment
+        assert current is not None and current is not segment
+        for slot, buffer in zip(theirs[0], buffers, strict=True):
+            current.write(slot.offset, buffer)
+        done = client._call(p.StoreCommit(0, "", keys), p.StoreReply).done
+        assert done == [True, True]
+        targets = [np.zeros(CHUNK, dtype=np.uint8) for _ in keys]
+        assert client.retrieve_into(keys, targets) == 2
+        for target, buffer in zip(targets, buffers, strict=True):
+            assert np.array_equal(target, buffer)
