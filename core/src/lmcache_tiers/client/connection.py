@@ -423,6 +423,24 @@ class Connection:
                     self._unlinked = False
         except zmq.ZMQError:
             pass
+        except BaseException:
+            self._event_maybe_lost()
+            raise
+
+    def _event_maybe_lost(self) -> None:
+        """An exception (a signal handler's, Ctrl-C) cut a read of the connection events
+        short, perhaps between an event's receipt and its use (caller holds the lock).  A
+        drop lost that way would leave the client trusting the mapped segment of a server
+        that may have restarted since: copies into its old segment, committed on the new
+        one.  So it counts as a drop: the server is greeted again before the next request
+        that names arena offsets, and requests sent before are taken as lost (they fail
+        early rather than wait).  The connection counts as up: were it not, a send waits
+        for it (IMMEDIATE), and a request that went into the dropped pipe waits out its
+        timeout; counted down, every request would wait for a new connection's report
+        and fail early until the next connection came."""
+        self._dropped = True
+        self._drops += 1
+        self._unlinked = False
 
     def _link_epoch(self, now: float) -> int:
         """Right before a send at ``now`` (caller holds the lock): the drops a request sent
