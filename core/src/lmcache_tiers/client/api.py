@@ -211,22 +211,30 @@ class Client(Connection):
         if not self._connection_dropped():
             return
         with self._lock:
-            self._dropped = False
+            # Cleared before the HELLO, so that a drop seen during it sets it again; set
+            # again if anything cuts this short (a signal handler's exception after the
+            # HELLO too): until the segment the reply names is mapped, the old one must
+            # not be trusted.
             try:
-                hello = self._greet()
+                self._dropped = False
+                self._greeted_again()
             except BaseException:
                 self._dropped = True
                 raise
-            self.server = hello
-            self.max_keys = max(1, hello.max_keys)
-            self._lookup_waits = "lookup_wait" in hello.features
-            mapped = self._mapped_from
-            if mapped is not None and _segment_identity(mapped) == _segment_identity(hello):
-                return  # the same server: the mapping stays right
-            old, self._segment, self._mapped_from = self._segment, None, None
-            if old is not None:
-                old.close()  # unmapped once the retrieve blocks still reading it end
-            self._segment = self._map_segment(self._shm)
+
+    def _greeted_again(self) -> None:
+        """``_follow_server``'s HELLO and remapping (caller holds the lock)."""
+        hello = self._greet()
+        self.server = hello
+        self.max_keys = max(1, hello.max_keys)
+        self._lookup_waits = "lookup_wait" in hello.features
+        mapped = self._mapped_from
+        if mapped is not None and _segment_identity(mapped) == _segment_identity(hello):
+            return  # the same server: the mapping stays right
+        old, self._segment, self._mapped_from = self._segment, None, None
+        if old is not None:
+            old.close()  # unmapped once the retrieve blocks still reading it end
+        self._segment = self._map_segment(self._shm)
 
     def _answered_elsewhere(self, segment: MappedSegment) -> bool:
         """Whether the offsets of a reply just received may name another segment than
