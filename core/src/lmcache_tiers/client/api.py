@@ -434,9 +434,12 @@ class Client(Connection):
         reserved = [key for key, slot in zip(keys, reply.slots, strict=True) if slot.offset != p.NO_SLOT]
         if not reserved:
             return 0
+        # whether the reservations are known to be the mapped segment's server's
+        verified = False
         try:
             if self._answered_elsewhere(segment):
                 raise _ServerChanged(self.url)  # the slots may be another segment's
+            verified = True
             slots: list[p.Slot] = []
             sources: list[np.ndarray[Any, Any]] = []
             for array, slot in zip(arrays, reply.slots, strict=True):
@@ -461,7 +464,9 @@ class Client(Connection):
         except BaseException:
             with contextlib.suppress(ClientError):
                 self._greet_again_if_dropped()
-                if self._reserved_here(segment):
+                # Reservations whose server is not known (their reply may have come from a
+                # restarted one) are aborted on the server greeted now, which may hold them.
+                if not verified or self._reserved_here(segment):
                     self._call(p.StoreAbort(0, "", reserved), p.StoreReply, timeout=self._cleanup_seconds())
             raise
         self._greet_again_if_dropped()
