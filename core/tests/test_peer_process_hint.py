@@ -215,3 +215,107 @@ def test_a_connection_watched_with_a_hint_is_scanned_with_it(connect: Connect) -
         assert watch.process is not None and watch.process.pids == (pids[0],)
     finally:
         connections.close()
+
+
+#: connects to port argv[1] on loopback twice; with argv[2] == "fork" a child inherits both
+#: sockets; prints the holders' pids (the creator first), then waits to be killed
+TWO_CONNECTIONS_CLIENT = """
+import os, socket, sys, time
+sockets = [socket.create_connection(("127.0.0.1", int(sys.argv[1]))) for _ in range(2)]
+pids = [os.getpid()]
+if sys.argv[2] == "fork":
+    child = os.fork()
+    if child == 0:
+        time.sleep(3600)
+        os._exit(0)
+    pids.append(child)
+print(" ".join(map(str, pids)), flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.fixture
+def connect_twice() -> Iterator[Callable[[str], tuple[list[PeerSocket], list[int]]]]:
+    """Starts a client ("alone" or "fork") connected twice: both connections' far ends as
+    the server reads them, and the client's pids (the creator first)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    opened: list[tuple[subprocess.Popen[str], list[socket.socket]]] = []
+
+    def start(mode: str) -> tuple[list[PeerSocket], list[int]]:
+        process = subprocess.Popen(
+            [sys.executable, "-c", TWO_CONNECTIONS_CLIENT, str(listener.getsockname()[1]), mode],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert process.stdout is not None
+        pids = [int(pid) for pid in process.stdout.readline().split()]
+        accepted = [listener.accept()[0] for _ in range(2)]
+        opened.append((process, accepted))
+        peers = [peer_socket(connection.fileno()) for connection in accepted]
+        assert all(peer is not None and peer.far for peer in peers)
+        return [peer for peer in peers if peer is not None], pids
+
+    yield start
+    for process, accepted in opened:
+        for pid in _children(process.pid):
+            os.kill(pid, 9)
+        process.kill()
+        process.wait()
+        assert process.stdout is not None
+        process.stdout.close()
+        for connection in accepted:
+            connection.close()
+    listener.close()
+
+
+def _ancestors(pid: int) -> set[int]:
+    """The processes above ``pid``, up to the root."""
+    found: set[int] = set()
+    while True:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            pid = int(stat.read().rpartition(")")[2].split()[1])
+        if pid <= 0:
+            return found
+        found.add(pid)
+
+
+def test_the_ancestors_of_a_hinted_process_are_read_once_for_all_its_connections(
+    connect_twice: Callable[[str], tuple[list[PeerSocket], list[int]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Reading an ancestor is reading all its descriptors (init holds hundreds); an ancestor
+    # can share with the process only sockets it held before the process was forked, so
+    # what they held, read once, answers for every later connection of the process
+    peers, pids = connect_twice("alone")
+    above = {f"/proc/{pid}/fd" for pid in _ancestors(pids[0]) - {os.getpid()}}
+    assert above, "the client has ancestors other than this process"
+    reads: list[str] = []
+    scandir = os.scandir
+
+    def counted(path: str) -> object:
+        if path in above:
+            reads.append(path)
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", counted)
+    first, second = (dataclasses.replace(peer, hint=pids[0]) for peer in peers)
+    scan = CountingScan()
+    assert peer_socket_pids(first, scan) == (pids[0],)
+    assert reads, "the ancestors were read for the first connection"
+    reads.clear()
+    assert peer_socket_pids(second, scan) == (pids[0],)
+    assert reads == [], "and not again for the second"
+    assert scan.calls == 0
+
+
+def test_a_parent_holding_a_socket_is_seen_in_what_was_read_of_it_for_an_earlier_connection(
+    connect_twice: Callable[[str], tuple[list[PeerSocket], list[int]]],
+) -> None:
+    # The HELLO names the forked child; the parent holds both connections: what was read
+    # of the parent for the first answers for the second too -- the full scan, both
+    peers, pids = connect_twice("fork")
+    scan = CountingScan()
+    for peer in peers:
+        assert peer_socket_pids(dataclasses.replace(peer, hint=pids[1]), scan) == tuple(sorted(pids))
+    assert scan.calls == 2

@@ -55,6 +55,8 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lmcache_tiers.peer_ancestors import AncestorSockets
+
 __all__ = [
     "FullScan",
     "PeerProcess",
@@ -372,10 +374,10 @@ def _hinted_holders(inode: int, hint: int) -> tuple[int, ...]:
     to the full scan.  What it can miss is a holder outside the tree while one inside
     holds it too, where the full scan would have found both and waited for both:
 
-    * the hint's ancestors are read too (:func:`_an_ancestor_holds`): one holding the
-      socket means the hint is not the process that created it (a HELLO naming a forked
-      child while its parent writes), and the full scan answers instead, as before the
-      hint;
+    * the hint's ancestors are read too (once per hinted process, see
+      :mod:`~lmcache_tiers.peer_ancestors`): one holding the socket means the hint is not
+      the process that created it (a HELLO naming a forked child while its parent
+      writes), and the full scan answers instead, as before the hint;
     * a forked child (a descendant, found) whose parent exited: an orphan, reparented
       to init or a subreaper, is out of the tree.  A forked child may not use the client,
       so it copies nothing through it; the creator, whose exit is waited for, is found;
@@ -414,34 +416,17 @@ def _hinted_holders(inode: int, hint: int) -> tuple[int, ...]:
             return ()  # a tree not read whole may miss holders: the full scan instead
         threads -= children[1]
         waiting.extend(children[0])
-    if found and _an_ancestor_holds(hint, target, own):
+    if found and _ANCESTORS.hold(hint, inode, own, _HINT_TREE_PROCESSES):
         return ()
     return tuple(sorted(found))
-
-
-def _an_ancestor_holds(pid: int, target: str, own: int) -> bool:
-    """Whether a process above ``pid`` (its parent, theirs, up to the root) but this one
-    holds a descriptor reading as ``target``; also when the chain cannot be read whole
-    (a process of it exited meanwhile, more than :data:`_HINT_TREE_PROCESSES` of them),
-    which the caller takes as a tree it cannot answer for."""
-    for _ in range(_HINT_TREE_PROCESSES):
-        try:
-            with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
-                # pid (comm) state ppid ...: the name may hold spaces and parentheses
-                pid = int(stat.read().rpartition(")")[2].split()[1])
-        except (OSError, ValueError, IndexError):
-            return True
-        if pid <= 0:
-            return False  # above the root (init, or this namespace's first process)
-        if pid != own and _holds(pid, target):
-            return True
-    return True
 
 
 #: the most processes, and threads, a hinted walk reads before it leaves the tree to the
 #: full scan (a client and its workers are a few processes of a few hundred threads)
 _HINT_TREE_PROCESSES = 64
 _HINT_TREE_THREADS = 4096
+#: what the ancestors of each hinted process held, read once (see :mod:`.peer_ancestors`)
+_ANCESTORS = AncestorSockets()
 
 
 def _children(pid: int, threads: int) -> tuple[list[int], int] | None:
