@@ -6,6 +6,7 @@ bytes are not copied yet: committing those would hand readers bytes nobody wrote
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -82,3 +83,31 @@ def test_a_store_whose_server_restarted_under_its_copy_touches_no_reservation_th
         assert client.retrieve_into(keys, targets) == 2
         for target, buffer in zip(targets, buffers, strict=True):
             assert np.array_equal(target, buffer)
+
+
+def test_no_other_thread_can_greet_a_server_between_a_stores_look_at_it_and_its_commit(
+    server: TiersServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Else another thread could greet a server restarted meanwhile and reserve the same
+    keys there before the commit reaches it."""
+    keys = keys_of(2)
+    with Client(server.endpoint, timeout=30) as client:
+        call = client._call
+        free: list[bool] = []
+
+        def commit_when_looked_at(request: p._Request, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(request, p.StoreCommit):
+
+                def another_thread() -> None:
+                    free.append(client._lock.acquire(blocking=False))
+                    if free[-1]:
+                        client._lock.release()
+
+                thread = threading.Thread(target=another_thread)
+                thread.start()
+                thread.join(30)
+            return call(request, *args, **kwargs)
+
+        monkeypatch.setattr(client, "_call", commit_when_looked_at)
+        assert client.store(keys, [np.zeros(CHUNK, dtype=np.uint8)] * len(keys)) == 2
+        assert free == [False]

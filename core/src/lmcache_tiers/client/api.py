@@ -462,17 +462,20 @@ class Client(Connection):
                 ]
             )
         except BaseException:
-            with contextlib.suppress(ClientError):
+            # Under the lock from the look at the server to the send: no other thread
+            # greets a restarted server, and reserves the same keys there, in between.
+            with contextlib.suppress(ClientError), self._lock:
                 self._greet_again_if_dropped()
                 # Reservations whose server is not known (their reply may have come from a
                 # restarted one) are aborted on the server greeted now, which may hold them.
                 if not verified or self._reserved_here(segment):
                     self._call(p.StoreAbort(0, "", reserved), p.StoreReply, timeout=self._cleanup_seconds())
             raise
-        self._greet_again_if_dropped()
-        if not self._reserved_here(segment):
-            raise _ServerChanged(self.url)  # the bytes went into the old server's segment
-        done = self._call(p.StoreCommit(0, "", reserved, l1_only), p.StoreReply).done
+        with self._lock:
+            self._greet_again_if_dropped()
+            if not self._reserved_here(segment):
+                raise _ServerChanged(self.url)  # the bytes went into the old server's segment
+            done = self._call(p.StoreCommit(0, "", reserved, l1_only), p.StoreReply).done
         return sum(done)
 
     def _greet_again_if_dropped(self) -> None:
