@@ -60,37 +60,62 @@ class CountingScan:
 Connect = Callable[..., tuple[PeerSocket, list[int], int]]
 
 
-@pytest.fixture
-def connect() -> Iterator[Connect]:
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    opened: list[tuple[subprocess.Popen[str], socket.socket]] = []
+class _Clients:
+    """Client processes connected to a loopback listener of this process, killed at the end."""
 
-    def start(mode: str = "alone") -> tuple[PeerSocket, list[int], int]:
+    def __init__(self) -> None:
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen()
+        self.opened: list[tuple[subprocess.Popen[str], list[socket.socket]]] = []
+
+    def start(self, script: str, mode: str, connections: int = 1) -> tuple[list[int], list[socket.socket]]:
+        """Run ``script`` (port, ``mode``): the pids it prints and the server's side of its
+        ``connections``."""
         process = subprocess.Popen(
-            [sys.executable, "-c", CLIENT, str(listener.getsockname()[1]), mode],
+            [sys.executable, "-c", script, str(self.listener.getsockname()[1]), mode],
             stdout=subprocess.PIPE,
             text=True,
         )
         assert process.stdout is not None
         pids = [int(pid) for pid in process.stdout.readline().split()]
-        accepted, _ = listener.accept()
-        opened.append((process, accepted))
-        peer = peer_socket(accepted.fileno())
-        assert peer is not None and peer.far
-        return peer, pids, accepted.fileno()
+        accepted = [self.listener.accept()[0] for _ in range(connections)]
+        self.opened.append((process, accepted))
+        return pids, accepted
 
-    yield start
-    for process, accepted in opened:
-        for pid in _children(process.pid):
-            os.kill(pid, 9)
-        process.kill()
-        process.wait()
-        assert process.stdout is not None
-        process.stdout.close()
-        accepted.close()
-    listener.close()
+    def close(self) -> None:
+        for process, accepted in self.opened:
+            for pid in _children(process.pid):
+                os.kill(pid, 9)
+            process.kill()
+            process.wait()
+            assert process.stdout is not None
+            process.stdout.close()
+            for connection in accepted:
+                connection.close()
+        self.listener.close()
+
+
+def _far_end(connection: socket.socket) -> PeerSocket:
+    peer = peer_socket(connection.fileno())
+    assert peer is not None and peer.far
+    return peer
+
+
+@pytest.fixture
+def clients() -> Iterator[_Clients]:
+    started = _Clients()
+    yield started
+    started.close()
+
+
+@pytest.fixture
+def connect(clients: _Clients) -> Connect:
+    def start(mode: str = "alone") -> tuple[PeerSocket, list[int], int]:
+        pids, (accepted,) = clients.start(CLIENT, mode)
+        return _far_end(accepted), pids, accepted.fileno()
+
+    return start
 
 
 def _children(pid: int) -> list[int]:
@@ -235,39 +260,15 @@ time.sleep(3600)
 
 
 @pytest.fixture
-def connect_twice() -> Iterator[Callable[[str], tuple[list[PeerSocket], list[int]]]]:
+def connect_twice(clients: _Clients) -> Callable[[str], tuple[list[PeerSocket], list[int]]]:
     """Starts a client ("alone" or "fork") connected twice: both connections' far ends as
     the server reads them, and the client's pids (the creator first)."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    opened: list[tuple[subprocess.Popen[str], list[socket.socket]]] = []
 
     def start(mode: str) -> tuple[list[PeerSocket], list[int]]:
-        process = subprocess.Popen(
-            [sys.executable, "-c", TWO_CONNECTIONS_CLIENT, str(listener.getsockname()[1]), mode],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert process.stdout is not None
-        pids = [int(pid) for pid in process.stdout.readline().split()]
-        accepted = [listener.accept()[0] for _ in range(2)]
-        opened.append((process, accepted))
-        peers = [peer_socket(connection.fileno()) for connection in accepted]
-        assert all(peer is not None and peer.far for peer in peers)
-        return [peer for peer in peers if peer is not None], pids
+        pids, accepted = clients.start(TWO_CONNECTIONS_CLIENT, mode, connections=2)
+        return [_far_end(connection) for connection in accepted], pids
 
-    yield start
-    for process, accepted in opened:
-        for pid in _children(process.pid):
-            os.kill(pid, 9)
-        process.kill()
-        process.wait()
-        assert process.stdout is not None
-        process.stdout.close()
-        for connection in accepted:
-            connection.close()
-    listener.close()
+    return start
 
 
 def _ancestors(pid: int) -> set[int]:
