@@ -26,12 +26,12 @@ from lmcache_tiers.peer_process import (
 )
 from lmcache_tiers.peer_scan import ConnectionPeers
 
-#: connects to port argv[1] on loopback; with argv[2] == "fork" a child inherits the
-#: socket and both stay ("fork<n>": n children); prints the holders' pids, then waits to
-#: be killed
+#: connects to port argv[1] on loopback (argv[3] times); with argv[2] == "fork" a child
+#: inherits the sockets and both stay ("fork<n>": n children); prints the holders' pids
+#: (the creator first), then waits to be killed
 CLIENT = """
 import os, socket, sys, time
-sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+sockets = [socket.create_connection(("127.0.0.1", int(sys.argv[1]))) for _ in range(int(sys.argv[3]))]
 pids = [os.getpid()]
 for _ in range(int(sys.argv[2][4:] or 1) if sys.argv[2].startswith("fork") else 0):
     child = os.fork()
@@ -69,11 +69,11 @@ class _Clients:
         self.listener.listen()
         self.opened: list[tuple[subprocess.Popen[str], list[socket.socket]]] = []
 
-    def start(self, script: str, mode: str, connections: int = 1) -> tuple[list[int], list[socket.socket]]:
-        """Run ``script`` (port, ``mode``): the pids it prints and the server's side of its
+    def start(self, mode: str, connections: int = 1) -> tuple[list[int], list[socket.socket]]:
+        """Run ``CLIENT`` in ``mode``: the pids it prints and the server's side of its
         ``connections``."""
         process = subprocess.Popen(
-            [sys.executable, "-c", script, str(self.listener.getsockname()[1]), mode],
+            [sys.executable, "-c", CLIENT, str(self.listener.getsockname()[1]), mode, str(connections)],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -112,7 +112,7 @@ def clients() -> Iterator[_Clients]:
 @pytest.fixture
 def connect(clients: _Clients) -> Connect:
     def start(mode: str = "alone") -> tuple[PeerSocket, list[int], int]:
-        pids, (accepted,) = clients.start(CLIENT, mode)
+        pids, (accepted,) = clients.start(mode)
         return _far_end(accepted), pids, accepted.fileno()
 
     return start
@@ -242,30 +242,13 @@ def test_a_connection_watched_with_a_hint_is_scanned_with_it(connect: Connect) -
         connections.close()
 
 
-#: connects to port argv[1] on loopback twice; with argv[2] == "fork" a child inherits both
-#: sockets; prints the holders' pids (the creator first), then waits to be killed
-TWO_CONNECTIONS_CLIENT = """
-import os, socket, sys, time
-sockets = [socket.create_connection(("127.0.0.1", int(sys.argv[1]))) for _ in range(2)]
-pids = [os.getpid()]
-if sys.argv[2] == "fork":
-    child = os.fork()
-    if child == 0:
-        time.sleep(3600)
-        os._exit(0)
-    pids.append(child)
-print(" ".join(map(str, pids)), flush=True)
-time.sleep(3600)
-"""
-
-
 @pytest.fixture
 def connect_twice(clients: _Clients) -> Callable[[str], tuple[list[PeerSocket], list[int]]]:
     """Starts a client ("alone" or "fork") connected twice: both connections' far ends as
     the server reads them, and the client's pids (the creator first)."""
 
     def start(mode: str) -> tuple[list[PeerSocket], list[int]]:
-        pids, accepted = clients.start(TWO_CONNECTIONS_CLIENT, mode, connections=2)
+        pids, accepted = clients.start(mode, connections=2)
         return [_far_end(connection) for connection in accepted], pids
 
     return start
