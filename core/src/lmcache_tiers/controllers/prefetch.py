@@ -666,6 +666,12 @@ class PrefetchController(ControllerThread):
 
     def _reap_loads(self, slot: AdapterSlot) -> None:
         for load, results in self._loads.reap(slot):
+            if load.task not in load.request.loads:
+                # Its request was given up while an earlier result of this batch was handled:
+                # the give-up found the load reported, unpinned its keys and freed its
+                # objects.  Handled now, it would unpin them again -- pins other holders
+                # took since -- and end the request a second time.
+                continue
             try:
                 self._load_done(slot, load, results)
             except Exception:
