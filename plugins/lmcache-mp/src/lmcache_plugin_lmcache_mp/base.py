@@ -1,10 +1,11 @@
 """What the operation handlers share: the storage, the state, and how a handler answers.
 
-A handler returns the reply's value (``None`` for LMCache's "void": no payload frame) or
-a :class:`Deferred` whose ``work`` runs on the pool and returns the loop-thread ``finish``
-that produces the value.  A handler that raises :class:`RequestRefused` (or any exception)
-gets no reply, as from LMCache's server: the front end logs it with the operation and
-request ids and counts it; the client waits for its own timeout.
+A handler returns the reply's value (``None`` for LMCache's "void": no payload frame), a
+:class:`Prepared` reply that hands the client slots, or a :class:`Deferred` whose ``work``
+runs on the pool and returns the loop-thread ``finish`` that produces the value.  A
+handler that raises :class:`RequestRefused` (or any exception) gets no reply, as from
+LMCache's server: the front end logs it with the operation and request ids and counts it;
+the client waits for its own timeout.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from lmcache_plugin_lmcache_mp.pickled import PickleCodec
     from lmcache_tiers.plugin import StorageManager
 
-__all__ = ["Deferred", "RequestRefused", "RequestTooLarge", "Shared", "failure_reason"]
+__all__ = ["Deferred", "Prepared", "RequestRefused", "RequestTooLarge", "Shared", "failure_reason"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,16 @@ class Deferred:
 
     work: Callable[[], Callable[[], Any]]
     counted_at_stop: Callable[[], bool] | None = None
+
+
+@dataclass
+class Prepared:
+    """A prepare's reply, which hands the client slots it holds for it (reserved or
+    read-locked), and what gives them back if the reply cannot be sent: a client that
+    never got the slots never copies into or out of them, nor commits them."""
+
+    reply: Any
+    undelivered: Callable[[], None]
 
 
 @dataclass

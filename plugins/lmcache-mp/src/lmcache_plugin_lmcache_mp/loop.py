@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from lmcache_plugin_lmcache_mp.base import Deferred, failure_reason
+from lmcache_plugin_lmcache_mp.base import Deferred, Prepared, failure_reason
 from lmcache_plugin_lmcache_mp.handlers import BY_CONNECTION, NOT_SERVED, Handlers
 from lmcache_plugin_lmcache_mp.wire import (
     MAX_ARGUMENT_BYTES,
@@ -231,6 +231,9 @@ class MPServer:
             transfers.source_fd = -1
         if isinstance(result, Deferred):
             self._submit(identity, uid, op, name, arg_frames, result)
+        elif isinstance(result, Prepared):
+            if not self._send(identity, uid, op, result.reply):
+                result.undelivered()  # the client is gone or not reading: nobody has the slots
         else:
             self._send(identity, uid, op, result)
 
@@ -322,7 +325,8 @@ class MPServer:
             earlier,
         )
 
-    def _send(self, identity: bytes, uid: bytes, op: bytes, result: Any) -> None:
+    def _send(self, identity: bytes, uid: bytes, op: bytes, result: Any) -> bool:
+        """Send the reply; False when it could not go (``RouterLoop.send`` counted it)."""
         # None (LMCache's "void") goes as no payload frame
         if result is None:
             frames = [identity, uid, op]
@@ -330,7 +334,7 @@ class MPServer:
             frames = [identity, uid, op, result.payload]
         else:
             frames = [identity, uid, op, encode_reply(result)]
-        self.router.send(frames)
+        return self.router.send(frames)
 
 
 class _PoolRequest:

@@ -382,6 +382,21 @@ class PendingTransfers:
             del self._pending[ident]
         return found
 
+    def discard(self, transfer: Transfer) -> bool:
+        """Forget ``transfer`` itself (not another prepare of its range); False when it is
+        not pending any more."""
+        ident = transfer.ident
+        queue = None if ident is None else self._pending.get(ident)
+        if ident is None or not queue:
+            return False
+        for index, queued in enumerate(queue):
+            if queued is transfer:  # by identity: two prepares of one range compare equal
+                del queue[index]
+                if not queue:
+                    del self._pending[ident]
+                return True
+        return False
+
     def pop_instance(self, instance_id: int, peer: Peer | None = None) -> list[Transfer]:
         """The instance's transfers (only those prepared on connection ``peer``, if given)."""
         mine = [

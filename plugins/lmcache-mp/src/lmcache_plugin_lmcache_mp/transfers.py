@@ -49,7 +49,14 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
-from lmcache_plugin_lmcache_mp.base import Deferred, RequestRefused, RequestTooLarge, Shared, failure_reason
+from lmcache_plugin_lmcache_mp.base import (
+    Deferred,
+    Prepared,
+    RequestRefused,
+    RequestTooLarge,
+    Shared,
+    failure_reason,
+)
 from lmcache_plugin_lmcache_mp.chunks import keys_for_rank
 from lmcache_plugin_lmcache_mp.lookups import Lookups
 from lmcache_plugin_lmcache_mp.peers import ConnectionProcesses
@@ -105,6 +112,7 @@ class Transfers:
         self._pickle_rejections = BurstLog(logger, "mp_pickle_rejected")
         self._lost_commits = BurstLog(logger, "mp_commit_lost", level=logging.ERROR)
         self._expiries = BurstLog(logger, "mp_transfer_expired")
+        self._undelivered = BurstLog(logger, "reply_dropped")
         #: each connection's pickled replies not taken off the server yet (``unread.py``)
         self.unread = UnreadReplies(shared.config.max_message_mb << 20)
         self._unread_refusals = BurstLog(logger, "mp_replies_unread")
@@ -218,7 +226,29 @@ class Transfers:
             writer=self.peers.writer(self.source_fd),
         )
         self.writes.add(instance_id, keys, transfer)
-        return PrepareStoreReply(context={"slots": slots, "chunk_indices": indices})
+        return Prepared(
+            PrepareStoreReply(context={"slots": slots, "chunk_indices": indices}),
+            partial(self._store_undelivered, transfer),
+        )
+
+    def _store_undelivered(self, transfer: Transfer) -> None:
+        """``prepare_store``'s answer could not be sent (its client is gone, or not reading
+        its replies): nobody has its slots, so nobody copies into them or commits them.
+        Its reservation goes back at once.  Left pending, its chunks stayed write-locked
+        until the write TTL (other clients' stores of them got no slots), and its extents
+        then stayed fenced until a commit that never comes -- for good when the client's
+        process could not be told, as a client killed before its first scan."""
+        if not self.writes.discard(transfer):
+            return
+        objs = list(transfer.reserved.values())
+        self.storage.abort_reserved(transfer.reserved)
+        self.storage.l1.writers_done(objs)
+        self._refuse_keys("reply_dropped", len(objs))
+        self._undelivered.event(
+            1,
+            "prepare_store answers could not be sent (the client is gone or not reading its "
+            "replies): their reservations were given back",
+        )
 
     def _refused_while_fenced(
         self, instance_id: int, request_id: str, keys: list[ObjectKey], peer: bytes
@@ -587,7 +617,23 @@ class Transfers:
             {"offset": obj.offset, "length": obj.size, "shape": list(layout.shape), "dtype": layout.dtype}
             for obj in objects
         ]
-        return PrepareRetrieveReply(success=True, data=b"", context={"slots": slots})
+        return Prepared(
+            PrepareRetrieveReply(success=True, data=b"", context={"slots": slots}),
+            partial(self._retrieve_undelivered, transfer),
+        )
+
+    def _retrieve_undelivered(self, transfer: Transfer) -> None:
+        """``prepare_retrieve``'s answer could not be sent: nobody reads out of its slots,
+        so its read locks go back at once rather than shortly before the lock TTL (its
+        request's lookup keeps its own, for a retrieve that does arrive)."""
+        if not self.reads.discard(transfer):
+            return
+        self.storage.release(transfer.keys, not_before=transfer.not_before)
+        self._undelivered.event(
+            1,
+            "prepare_retrieve answers could not be sent (the client is gone or not reading its "
+            "replies): their read locks were given back",
+        )
 
     def _retrieve_pickled(
         self,
