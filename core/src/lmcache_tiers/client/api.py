@@ -1047,7 +1047,11 @@ class Client(Connection):
         for index, part in enumerate(parts):
             left = max(0.0, deadline - time.monotonic())
             try:
-                released += self._call(p.Release(0, "", keys[part]), p.ReleaseReply, timeout=left).released
+                with self._lock:
+                    self._released_every_lock(keys[part])
+                    released += self._call(
+                        p.Release(0, "", keys[part]), p.ReleaseReply, timeout=left
+                    ).released
             except ConnectionLostError as exc:
                 # The rest of the keys' locks are in the lost connection's session too.
                 left = len(keys[part.start :])

@@ -231,8 +231,9 @@ class Connection:
         self._events_read_at = -math.inf
         self._monitor: zmq.Socket[bytes] | None = None
         # requests that timed out, by id, in case their replies still arrive: with the keys
-        # whose locks their replies would hand over, and their _link_epoch when sent
-        self._orphans: dict[int, tuple[p._Request, list[ObjectKey], int]] = {}
+        # whose locks their replies would hand over (None where a RELEASE sent since gave
+        # them back, see _released_every_lock), and their _link_epoch when sent
+        self._orphans: dict[int, tuple[p._Request, Sequence[ObjectKey | None], int]] = {}
         # the keys of each prefetch still running on the server, by handle: a WAIT whose
         # reply comes too late still hands their locks over (see _settle_orphan)
         self._prefetch_keys: dict[int, list[ObjectKey]] = {}
@@ -510,8 +511,25 @@ class Connection:
         with self._lock, contextlib.suppress(ClientError, zmq.ZMQError):
             _raw_send(self._socket, self._header(request), _NOBLOCK)
             self._last_unwaited_id = request.req_id
+            if type(request) is p.Release and not request.once:
+                self._released_every_lock(request.keys)
             return True
         return False
+
+    def _released_every_lock(self, keys: Sequence[ObjectKey]) -> None:
+        """A RELEASE of every lock this client holds on ``keys`` has just gone out, or is
+        about to (caller holds the lock).  The server reads it after the RETRIEVEs given up
+        on before it over the same connection, which it answers as it reads them: their
+        locks on those keys go with it, and their late replies must release nothing more
+        of them -- a RELEASE of one lock per key after it would drop a lock taken since,
+        another retrieve's under views in use.  (A LOOKUP or WAIT may be answered after a
+        RELEASE read meanwhile, once its prefetch ends: its reply's locks still go back.)"""
+        if not self._orphans:
+            return
+        released = set(keys)
+        for req_id, (request, held, sent_at) in list(self._orphans.items()):
+            if type(request) is p.Retrieve and sent_at == self._drops and not released.isdisjoint(held):
+                self._orphans[req_id] = (request, [None if key in released else key for key in held], sent_at)
 
     # -- request/reply -----------------------------------------------------------------------
 
@@ -910,8 +928,10 @@ class Connection:
             return
         follow_up: p._Request | None = None
         if isinstance(request, p.StoreReserve) and isinstance(reply, p.StoreReserveReply):
-            keys = [k for k, slot in zip(request.keys, reply.slots, strict=False) if slot.offset != p.NO_SLOT]
-            follow_up = p.StoreAbort(next(self._ids), self._token, keys) if keys else None
+            reserved = [
+                k for k, slot in zip(request.keys, reply.slots, strict=False) if slot.offset != p.NO_SLOT
+            ]
+            follow_up = p.StoreAbort(next(self._ids), self._token, reserved) if reserved else None
         elif isinstance(request, p.Retrieve) and isinstance(reply, p.RetrieveReply) and not request.inline:
             follow_up = self._release_once(keys[: len(reply.slots)])
         elif isinstance(request, p.Lookup) and isinstance(reply, p.LookupReply) and reply.hits:
@@ -922,17 +942,21 @@ class Connection:
             if reply.hits:  # the prefetch finished, and this reply collected its locks
                 follow_up = self._release_once(keys[: reply.hits])
             elif reply.hits is None:  # still running: a later WAIT or QUERY may collect it
-                self._running_prefetch(request.handle, keys)
+                self._running_prefetch(request.handle, [key for key in keys if key is not None])
         if follow_up is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._socket.send(p.encode(follow_up), zmq.NOBLOCK)
                 self._last_unwaited_id = follow_up.req_id
 
-    def _release_once(self, keys: list[ObjectKey]) -> p.Release | None:
-        """A RELEASE of one lock per key, for a late reply's locks; None for a server
-        without ``release_once`` (an earlier release), which ignores ``once`` and would drop
-        every lock this client holds on the keys, a retrieve's in use among them: those
-        locks are left to the server's lock TTL instead."""
+    def _release_once(self, named: Sequence[ObjectKey | None]) -> p.Release | None:
+        """A RELEASE of one lock per key, for a late reply's locks (None among ``named``:
+        given back already); None when there is none, or for a server without
+        ``release_once`` (an earlier release), which ignores ``once`` and would drop every
+        lock this client holds on the keys, a retrieve's in use among them: those locks are
+        left to the server's lock TTL instead."""
+        keys = [key for key in named if key is not None]
+        if not keys:
+            return None
         if "release_once" in self.server.features:
             return p.Release(next(self._ids), self._token, keys, once=True)
         logger.info(
