@@ -236,10 +236,14 @@ class AdapterState:
         announced deleted -- else a backend answering lookups of accounted keys from the
         record's size would find it at every lookup, and every load of it would miss.  Not
         when a store of the key ran meanwhile: the record judged may be one it replaced."""
+        # The entry is read before the check: a store landing after the read replaces it
+        # (``forget_if`` then keeps the new one), and one landing before the check is seen
+        # by it.  Read after the check, a store landing in between would be forgotten --
+        # its record in the store, its bytes uncounted, the eviction policy told it is gone.
+        known = self.accounting.get(key)
         with self._lock:
             if self._stored_meanwhile(key):
                 return
-        known = self.accounting.get(key)
         if known is None or not self.accounting.forget_if(key, known):
             return
         self.forget_unreadable([key])
