@@ -360,8 +360,7 @@ class Client(Connection):
         ``lookup`` tells which keys are there.
         """
         keys = checked_keys(keys)
-        if l1_only and "l1_only_store" not in self.server_features:
-            raise ClientError(f"the server at {self.url} cannot keep stores out of L2 (it is older)")
+        self._check_l1_only(l1_only)
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         if layouts is None:
@@ -379,9 +378,18 @@ class Client(Connection):
         chosen = list(layouts)
         return self._on_current_server(lambda: self._store_now(keys, arrays, chosen, l1_only))
 
+    def _check_l1_only(self, l1_only: bool) -> None:
+        """Raise ClientError for an ``l1_only`` store the server greeted last cannot keep
+        out of L2: an earlier release ignores the flag (its decoder drops the field)."""
+        if l1_only and "l1_only_store" not in self.server_features:
+            raise ClientError(f"the server at {self.url} cannot keep stores out of L2 (it is older)")
+
     def _store_now(
         self, keys: Sequence[ObjectKey], arrays: list[np.ndarray[Any, Any]], layouts: list[str], l1_only: bool
     ) -> int:
+        # Asked again of the server followed here (``store`` asked the one greeted before):
+        # one restarted at the address may be an earlier release.
+        self._check_l1_only(l1_only)
         stored = 0
         with self._mapped() as segment:
             if segment is not None:
