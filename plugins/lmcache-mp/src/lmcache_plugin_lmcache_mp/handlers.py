@@ -258,13 +258,20 @@ class Handlers:
         abort its stores.  LMCache's client registers and unregisters on one connection."""
         instance = self.shared.instances.get(instance_id)
         if instance is not None and instance.peer != peer:
+            # The registration stays, but what this connection itself prepared goes, as at
+            # any unregister: its client has ended its copies (LMCache's unregisters after
+            # its gathers and commits), and left pending its read locks would wait for the
+            # lock TTL, its reservations for the write TTL, and their fences for a commit
+            # that never comes.
+            locks, reservations = self.transfers.drop_instance(instance_id, peer, copies_ended=True)
             self.shared.stats.failure("mp_stale_unregister")
             self._stale_unregisters.event(
                 1,
                 f"unregisters ignored: they came from another connection than the registration in "
                 f"force (instance {instance_id}: an earlier client process after a restarted one "
                 "registered it again, or a client whose connection was re-established; such a "
-                "registration goes when it falls silent)",
+                f"registration goes when it falls silent); that connection's own {locks} read "
+                f"locks released and {reservations} unfinished stores aborted",
             )
             return None
         self._drop(instance_id, peer, copies_ended=True)
