@@ -274,6 +274,12 @@ class Handlers:
                 f"locks released and {reservations} unfinished stores aborted",
             )
             return None
+        if instance is None:
+            # Not registered (reaped, or never with this server process): answered void and
+            # counted below.  What this connection prepared under the id still goes: a
+            # reaped instance's stores are left pending for a client that may be stalled
+            # before its copy, and its unregister says its copies have ended.
+            self.transfers.drop_instance(instance_id, peer, copies_ended=True)
         self._drop(instance_id, peer, copies_ended=True)
         return None
 
