@@ -73,3 +73,34 @@ def test_an_unregister_after_the_reaping_lifts_the_connections_fences(make_mp_se
         assert client.call(UNREGISTER, REG.instance_id) is None
         assert l1(server)["leases"]["fenced_extents"] == 0
         assert not transfers.writes.fenced
+
+
+def test_a_late_commit_after_the_reaping_is_refused_and_gives_the_reservation_back(
+    make_mp_server: Any,
+) -> None:
+    """Refused as by LMCache's server (the instance is not registered), the commit still
+    says the copy has ended: the reservation goes, never made visible."""
+    server = make_mp_server(worker_registration_grace_s=GRACE_S)
+    with MPClient(mp_address(server)) as client:
+        prepare_and_fall_silent(server, client, 3)
+        assert client.unanswered("commit_store", one_chunk(3, "stalled").encode(), REG.instance_id, b"")
+        assert client.call("noop") == "OK"  # handled in order: the commit was handled before
+        assert mp_stats(server).failures["mp_unregistered_instance"] == 1
+        assert l1(server)["write_locked"] == 0
+        assert l1(server)["objects"] == 0
+        assert mp_stats(server).store_keys_refused["unregistered"] == 1
+
+
+def test_a_late_commit_after_the_reaping_lifts_the_fence(make_mp_server: Any) -> None:
+    server = make_mp_server(worker_registration_grace_s=GRACE_S, l1_write_ttl_s=1.0, l1_lock_ttl_s=1.0)
+    transfers: Any = server.frontends[0].handlers.transfers  # type: ignore[attr-defined]
+    with MPClient(mp_address(server)) as client:
+        prepare_and_fall_silent(server, client, 4)
+        wait_for(
+            lambda: bool(transfers.writes.fenced) and l1(server)["leases"]["fenced_extents"] == 1,
+            "the reaped instance's expired reservation fenced",
+        )
+        assert client.unanswered("commit_store", one_chunk(4, "stalled").encode(), REG.instance_id, b"")
+        assert client.call("noop") == "OK"  # handled in order: the commit was handled before
+        assert l1(server)["leases"]["fenced_extents"] == 0
+        assert not transfers.writes.fenced

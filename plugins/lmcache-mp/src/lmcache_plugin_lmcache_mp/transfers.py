@@ -128,6 +128,11 @@ class Transfers:
 
     def _resolve(self, key: CacheKey, instance_id: int) -> tuple[Instance, list[ObjectKey]]:
         instance = self.shared.instance(instance_id)
+        return instance, self._range_keys(key)
+
+    def _range_keys(self, key: CacheKey) -> list[ObjectKey]:
+        """The objects of a transfer's range, for its worker; refused when the range is not
+        one LMCache's server takes."""
         chunk_size = self.shared.chunk_size
         if key.start % chunk_size:
             # The client maps the i-th chunk to the one at start + i * chunk_size of its
@@ -146,7 +151,7 @@ class Transfers:
                 f"a transfer's end ({key.end}) must be a multiple of the chunk size ({chunk_size}) "
                 f"within its {len(key.token_ids)} tokens; LMCache's server refuses it too",
             )
-        return instance, keys_for_rank(key, self.shared.chunks_of(key, ranks=1))
+        return keys_for_rank(key, self.shared.chunks_of(key, ranks=1))
 
     # -- store ---------------------------------------------------------------------------
 
@@ -316,7 +321,12 @@ class Transfers:
     def commit_store(self, key: CacheKey, instance_id: int, data: bytes, *, peer: bytes = b"") -> Any:
         if data:
             return self._commit_pickled(key, instance_id, data, peer)
-        _, keys = self._commit_keys(key, instance_id)
+        try:
+            _, keys = self._commit_keys(key, instance_id)
+        except RequestRefused as exc:
+            if exc.reason == "mp_unregistered_instance":
+                self._end_store_of_unregistered(key, instance_id, peer)
+            raise  # not answered, as by LMCache's server
         pending = (
             None
             if keys is None
@@ -347,6 +357,23 @@ class Transfers:
         self._count_store(stored, stored * (pending.bytes // len(pending.reserved)))
         self._count_lost(len(pending.reserved) - stored)
         return stored == len(pending.reserved)
+
+    def _end_store_of_unregistered(self, key: CacheKey, instance_id: int, peer: bytes) -> None:
+        """A ``commit_store`` of an instance no longer registered (reaped for its silence,
+        or unregistered by another connection) is refused, but it still says its client's
+        copy into the range has ended: the connection's reservation of the range is given
+        back, never made visible, and the fences of those that expired are lifted.  Left,
+        the reservation stayed write-locked until the write TTL and was then fenced until
+        a commit accepted -- which would not come -- or the client's exit."""
+        try:
+            keys = self._range_keys(key)
+        except (RequestRefused, KeyValidationError):
+            return  # a range no prepare reserves
+        pending = self.writes.pop(instance_id, key.request_id, keys, time.monotonic(), peer)
+        if pending is not None:
+            self.storage.abort_reserved(pending.reserved)
+            self._refuse_keys("unregistered", len(pending.reserved))
+        self._copies_ended(instance_id, key.request_id, keys, peer, _objects_of(pending))
 
     def refuse_commit_at_stop(
         self, key: CacheKey, instance_id: int, data: bytes, *, peer: bytes = b""
