@@ -518,17 +518,21 @@ class Connection:
 
     def _released_every_lock(self, keys: Sequence[ObjectKey]) -> None:
         """A RELEASE of every lock this client holds on ``keys`` has just gone out, or is
-        about to (caller holds the lock).  The server reads it after the RETRIEVEs given up
-        on before it over the same connection, which it answers as it reads them: their
-        locks on those keys go with it, and their late replies must release nothing more
-        of them -- a RELEASE of one lock per key after it would drop a lock taken since,
-        another retrieve's under views in use.  (A LOOKUP or WAIT may be answered after a
-        RELEASE read meanwhile, once its prefetch ends: its reply's locks still go back.)"""
+        about to (caller holds the lock).  The server reads it after the RETRIEVEs and the
+        LOOKUPs asking for no wait given up on before it over the same connection, which it
+        answers as it reads them: their locks on those keys go with it, and their late
+        replies must release nothing more of them -- a RELEASE of one lock per key after it
+        would drop a lock taken since, another retrieve's under views in use.  (A LOOKUP
+        that waits for its prefetch, or a WAIT, may be answered after a RELEASE read
+        meanwhile, once the prefetch ends: its reply's locks still go back.)"""
         if not self._orphans:
             return
         released = set(keys)
         for req_id, (request, held, sent_at) in list(self._orphans.items()):
-            if type(request) is p.Retrieve and sent_at == self._drops and not released.isdisjoint(held):
+            answered_at_once = isinstance(request, p.Retrieve) or (
+                isinstance(request, p.Lookup) and not request.wait_s
+            )
+            if answered_at_once and sent_at == self._drops and not released.isdisjoint(held):
                 self._orphans[req_id] = (request, [None if key in released else key for key in held], sent_at)
 
     # -- request/reply -----------------------------------------------------------------------
