@@ -744,14 +744,33 @@ class Transfers:
         return _MISS
 
     def commit_retrieve(self, key: CacheKey, instance_id: int, *, peer: bytes = b"") -> Any:
-        _, keys = self._commit_keys(key, instance_id)
+        try:
+            _, keys = self._commit_keys(key, instance_id)
+        except RequestRefused as exc:
+            if exc.reason == "mp_unregistered_instance":
+                # Refused, as by LMCache's server, but its client's copy out of the range
+                # has ended: the connection's read locks on it go now, not near the lock TTL
+                # (an instance unregistered by another connection leaves them pending).
+                self._end_retrieve(key, instance_id, peer)
+            raise
+        if keys is not None:
+            self._end_retrieve(key, instance_id, peer, keys)
+        return True
+
+    def _end_retrieve(
+        self, key: CacheKey, instance_id: int, peer: bytes, keys: list[ObjectKey] | None = None
+    ) -> None:
+        """Release the read locks of the connection's retrieve of the range, and one of its
+        lookup's locks on each chunk."""
         if keys is None:
-            return True
+            try:
+                keys = self._range_keys(key)
+            except (RequestRefused, KeyValidationError):
+                return  # a range no prepare locks
         pending = self.reads.pop(instance_id, key.request_id, keys, time.monotonic(), peer)
         if pending is not None:
             self.storage.release(pending.keys, not_before=pending.not_before)
             self.lookups.consume(pending.lookup, keys)
-        return True
 
     def _count_retrieve(self, chunks: int, nbytes: int) -> None:
         stats = self.shared.stats
