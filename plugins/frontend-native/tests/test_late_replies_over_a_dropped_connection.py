@@ -6,12 +6,11 @@ what this client took since over that one -- a lookup's lock, a store's reservat
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 from native_keys import keys_of
+from native_restarts import given_up_reply, until_the_drop_is_seen
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.server.app import TiersServer
@@ -21,29 +20,6 @@ from lmcache_tiers.wire import protocol as p
 Factory = Callable[..., TiersServer]
 
 CHUNK = 64
-
-
-def _until_the_drop_is_seen(client: Client) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        with client._lock:
-            client._read_link_events()
-            if client._unlinked:
-                return
-        assert time.monotonic() < deadline, "the client never saw its connection drop"
-        time.sleep(0.01)
-
-
-def _late_reply(client: Client, request: p._Request) -> list[Any]:
-    """Send ``request`` and give it up, as a timeout does; its reply is taken off the
-    socket here, unread by the client, to be handed to it later (``_early_or_settle``)."""
-    with client._lock:
-        client._start(request, (), time.monotonic() + 30)
-        client._give_up(request)
-        frames = client._receive(30, False)
-    assert frames is not None, "the server never answered"
-    assert p.reply_decoder.decode(frames[0]).req_id == request.req_id
-    return frames
 
 
 @pytest.fixture
@@ -56,7 +32,7 @@ def restart(make_server: Factory) -> Iterator[tuple[Client, Callable[[], TiersSe
     def restarted() -> TiersServer:
         first.request_stop()
         assert first.frontends[0].join(30)
-        _until_the_drop_is_seen(client)
+        until_the_drop_is_seen(client)
         return make_server(port=port)
 
     with Client(first.endpoint, timeout=30) as client:
@@ -70,7 +46,7 @@ def test_a_late_lookup_reply_leaves_the_locks_taken_over_the_next_connection(
     keys = keys_of(2)
     buffers = [bytes([index]) * CHUNK for index in range(len(keys))]
     client.store(keys, buffers)
-    frames = _late_reply(client, p.Lookup(0, "", keys))
+    frames = given_up_reply(client, p.Lookup(0, "", keys))
     assert p.reply_decoder.decode(frames[0]).hits == 2  # it locked both keys
     second = restarted()
     client.store(keys, buffers)  # greets the restarted server
@@ -88,7 +64,7 @@ def test_a_late_reservation_reply_leaves_the_reservations_of_the_next_connection
 ) -> None:
     client, restarted = restart
     keys = keys_of(2)
-    frames = _late_reply(client, p.StoreReserve(0, "", keys, [CHUNK] * len(keys)))
+    frames = given_up_reply(client, p.StoreReserve(0, "", keys, [CHUNK] * len(keys)))
     reserved = p.reply_decoder.decode(frames[0])
     assert isinstance(reserved, p.StoreReserveReply)
     assert all(slot.offset != p.NO_SLOT for slot in reserved.slots)  # it reserved both keys

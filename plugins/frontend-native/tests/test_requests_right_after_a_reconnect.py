@@ -5,12 +5,12 @@ as lost with the connection that dropped before it was sent."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
 import zmq
 from native_keys import keys_of
+from native_restarts import until_the_drop_is_seen
 
 from lmcache_tiers.client import Client, connection
 from lmcache_tiers.server.app import TiersServer
@@ -29,17 +29,6 @@ def _slow_l2() -> list[str]:
     return [json.dumps(spec)]
 
 
-def _until_the_drop_is_seen(client: Client) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        with client._lock:
-            client._read_link_events()
-            if client._unlinked:
-                return
-        assert time.monotonic() < deadline, "the client never saw its connection drop"
-        time.sleep(0.01)
-
-
 @pytest.fixture
 def reconnected(make_server: Factory) -> Iterator[Client]:
     """A client whose server restarted at its address: the client has seen the first
@@ -50,7 +39,7 @@ def reconnected(make_server: Factory) -> Iterator[Client]:
     with Client(first.endpoint, timeout=30) as client:
         first.request_stop()
         assert first.frontends[0].join(30)
-        _until_the_drop_is_seen(client)
+        until_the_drop_is_seen(client)
         make_server(adapters=_slow_l2(), port=port)
         # Asked of the sockets themselves: the connection events stay unread.
         assert client._socket.poll(30_000, zmq.POLLOUT), "the socket never reconnected"

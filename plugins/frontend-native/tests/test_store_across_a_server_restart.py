@@ -7,13 +7,13 @@ bytes are not copied yet: committing those would hand readers bytes nobody wrote
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 from native_keys import keys_of
+from native_restarts import until_the_drop_is_seen
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.server.app import TiersServer
@@ -23,17 +23,6 @@ from lmcache_tiers.wire import protocol as p
 Factory = Callable[..., TiersServer]
 
 CHUNK = 4096
-
-
-def _until_the_drop_is_seen(client: Client) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        with client._lock:
-            client._read_link_events()
-            if client._unlinked:
-                return
-        assert time.monotonic() < deadline, "the client never saw its connection drop"
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("fails", [False, True], ids=["commit", "abort"])
@@ -56,7 +45,7 @@ def test_a_store_whose_server_restarted_under_its_copy_touches_no_reservation_th
             write_many(copies)
             first.request_stop()
             assert first.frontends[0].join(30)
-            _until_the_drop_is_seen(client)
+            until_the_drop_is_seen(client)
             make_server(port=port)
             client._follow_server()
             sizes = [CHUNK] * len(keys)
