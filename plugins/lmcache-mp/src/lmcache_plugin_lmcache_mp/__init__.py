@@ -80,8 +80,9 @@ class LMCacheMPConfig(FrontendConfig, kw_only=True, frozen=True, forbid_unknown_
     max_remembered_mb: Annotated[
         int,
         _doc(
-            "MiB the remembered requests may take together: their tokens (4 bytes each), chunk "
-            "hashes and their lookups' keys (about 180 bytes each). Beyond it the least "
+            "MiB the remembered requests may take together: their ids (beyond the first KiB), "
+            "tokens (4 bytes each), chunk hashes and their lookups' keys (about 180 bytes "
+            "each). Beyond it the least "
             "recently seen requests are forgotten (mp_request_dropped_memory); a request "
             "needing more by itself is refused (mp_request_too_large).",
             ge=1,

@@ -23,6 +23,7 @@ from lmcache_plugin_lmcache_mp.chunks import (
     first_chunk,
     full_chunks,
     remembered_bytes,
+    request_id_bytes,
 )
 from lmcache_plugin_lmcache_mp.state import Instance, RequestState, RequestTable
 from lmcache_plugin_lmcache_mp.wire import CacheKey
@@ -125,9 +126,11 @@ class Shared:
                 keys,
             )
         needed = remembered_bytes(hashed, self.chunk_size, keys if kept else 0)
+        needed += request_id_bytes(key.request_id)
         if needed > self.requests.max_bytes:
             raise RequestTooLarge(
-                f"its {hashed} chunks of tokens and {keys if kept else 0} lookup keys would take "
+                f"its {hashed} chunks of tokens, {keys if kept else 0} lookup keys and "
+                f"{len(key.request_id)}-character request id would take "
                 f"{needed >> 20} MiB to remember, more "
                 f"than max_remembered_mb ({self.requests.max_bytes >> 20})",
                 keys,

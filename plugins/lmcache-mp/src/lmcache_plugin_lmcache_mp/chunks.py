@@ -14,6 +14,7 @@ long prompt stored range by range is hashed once.
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ __all__ = [
     "keys_for_all_ranks",
     "keys_for_rank",
     "remembered_bytes",
+    "request_id_bytes",
 ]
 
 #: what remembering one chunk hash costs: a 32-byte bytes object and its list slot
@@ -43,6 +45,17 @@ TOKEN_BYTES = 4
 #: it, its entry among the read locks the lookup holds (up to 96 bytes, with the dict's
 #: spare room); rounded up
 LOOKUP_KEY_BYTES = 176
+
+
+#: request id bytes counted as part of a request's fixed cost (which max_requests bounds):
+#: LMCache's ids (vLLM's request ids) are far shorter
+FREE_REQUEST_ID_BYTES = 1024
+
+
+def request_id_bytes(request_id: str) -> int:
+    """What remembering a request id costs beyond :data:`FREE_REQUEST_ID_BYTES`: ids are
+    the clients' choice, up to an argument frame long, and one is kept per request."""
+    return max(0, sys.getsizeof(request_id) - FREE_REQUEST_ID_BYTES)
 
 
 def remembered_bytes(chunks: int, chunk_size: int, lookup_keys: int = 0) -> int:

@@ -69,6 +69,7 @@ class Lookups:
                 key.world_size,
             )
             state.job = _settled_empty(key.world_size, readers, now)
+            shared.remember(state)  # its id, kept for the status query
             return None
         try:
             chunks = shared.chunks_of(key, ranks=key.world_size, from_zero=True, kept=True)
@@ -77,6 +78,7 @@ class Lookups:
             # result and gets 0 hits, rather than waiting out its timeout.
             shared.refuse_too_large("lookup", key, exc)
             state.job = _settled_empty(key.world_size, readers, now)
+            shared.remember(state)  # its id, kept for the status query
             return None
         keys = keys_for_all_ranks(key, chunks)
         if not keys:

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmcache_plugin_lmcache_mp.chunks import LOOKUP_KEY_BYTES, HashCache
+from lmcache_plugin_lmcache_mp.chunks import LOOKUP_KEY_BYTES, HashCache, request_id_bytes
 from lmcache_plugin_lmcache_mp.peers import WriterWatch
 from lmcache_tiers.plugin import ObjectKey, TensorLayout
 
@@ -173,14 +173,15 @@ class RequestState:
     counted_bytes: int = 0
 
     def nbytes(self) -> int:
-        """The memory its tokens, hashes and lookup keys take (estimated)."""
+        """The memory its tokens, hashes and lookup keys take (estimated), and its id
+        beyond what an id usually takes."""
         keys = 0 if self.job is None else len(self.job.keys)
-        return self.hashes.nbytes() + keys * LOOKUP_KEY_BYTES
+        return self.hashes.nbytes() + keys * LOOKUP_KEY_BYTES + request_id_bytes(self.request_id)
 
 
 class RequestTable:
     """Requests by id, least recently seen first; bounded in number, and in the memory
-    their tokens, hashes and lookup keys take (``max_bytes``)."""
+    their ids, tokens, hashes and lookup keys take (``max_bytes``)."""
 
     def __init__(self, max_requests: int, max_bytes: int = 1 << 30) -> None:
         self.max_requests = max_requests
@@ -193,6 +194,7 @@ class RequestTable:
         state = self._requests.get(request_id)
         if state is None:
             state = self._requests[request_id] = RequestState(request_id, now)
+            self.account(state)  # a long id takes memory from the start
         else:
             state.last_seen = now
             self._requests.move_to_end(request_id)
