@@ -288,6 +288,13 @@ class Transfer:
     writer: WriterWatch | None = None
 
 
+def held_bytes(transfer: Transfer) -> int:
+    """The L1 bytes a store's reservation holds: its objects' extents, aligned, which for
+    small objects are several times their size (never counted as less than that size)."""
+    extents = sum(getattr(obj, "extent_bytes", 0) for obj in transfer.reserved.values())
+    return max(transfer.bytes, extents)
+
+
 class PendingTransfers:
     """Prepared transfers by (instance id, connection, request id, keys); a repeat of the
     same prepare queues.
@@ -304,7 +311,7 @@ class PendingTransfers:
         self._fence = fence
         #: expired transfers whose commit has not come, by what that commit names
         self.fenced: dict[_Ident, list[Transfer]] = {}
-        #: the object bytes of the fenced transfers
+        #: the L1 bytes the fenced transfers hold (their objects' extents)
         self.fenced_bytes = 0
 
     @staticmethod
@@ -322,7 +329,7 @@ class PendingTransfers:
         for transfer in transfers:
             assert transfer.ident is not None, "fenced before it was added"
             self.fenced.setdefault(transfer.ident, []).append(transfer)
-            self.fenced_bytes += transfer.bytes
+            self.fenced_bytes += held_bytes(transfer)
 
     def is_fenced(self, ident: _Ident) -> bool:
         return ident in self.fenced
@@ -354,14 +361,14 @@ class PendingTransfers:
                 self.fenced[ident] = kept
             else:
                 del self.fenced[ident]
-        self.fenced_bytes -= sum(transfer.bytes for transfer in taken)
+        self.fenced_bytes -= sum(held_bytes(transfer) for transfer in taken)
         return taken
 
     def take_fenced(self, ident: _Ident) -> list[Transfer]:
         """The fenced transfers a commit of ``ident`` names, forgotten here: the client
         sends its commit once its copy ended."""
         taken = self.fenced.pop(ident, [])
-        self.fenced_bytes -= sum(transfer.bytes for transfer in taken)
+        self.fenced_bytes -= sum(held_bytes(transfer) for transfer in taken)
         return taken
 
     def pop(
