@@ -23,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lmcache_tiers.client import Client, ServerError
+from lmcache_tiers.controllers.prefetch_results import HeldResult, PrefetchResults
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.testing.ports import free_port
@@ -222,6 +223,20 @@ def idle(server: TiersServer, within_s: float = 20.0) -> Samples:
 _IN_FLIGHT = ("l2_prefetches", "l2_stores", "client_prefetches", "client_stores", "pool_requests")
 
 
+def _hits_of_results_nobody_claimed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The hit counts of the prefetch results given back unclaimed (expired, or dropped
+    past the bound), as the server gives them back."""
+    unclaimed: list[int] = []
+    count = PrefetchResults._count
+
+    def counted(results: PrefetchResults, reason: str, held: list[HeldResult], why: str) -> None:
+        unclaimed.extend(result.hits for result in held)
+        count(results, reason, held, why)
+
+    monkeypatch.setattr(PrefetchResults, "_count", counted)
+    return unclaimed
+
+
 def books_server(
     make_server: Factory, tmp_path: Path, prefetch_policy: str, *, inline: bool = False
 ) -> TiersServer:
@@ -251,9 +266,15 @@ def books_server(
 )
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_the_books_balance(
-    make_server: Factory, tmp_path: Path, seed: int, prefetch_policy: str, data_plane: str
+    make_server: Factory,
+    tmp_path: Path,
+    seed: int,
+    prefetch_policy: str,
+    data_plane: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     server = books_server(make_server, tmp_path, prefetch_policy, inline=data_plane == "inline")
+    unclaimed = _hits_of_results_nobody_claimed(monkeypatch)
     # odd seeds clear by force too, even ones leave locked objects to their readers
     tally = drive(server, seed, force_clears=seed % 2 == 1)
     found = idle(server)
@@ -313,7 +334,10 @@ def test_the_books_balance(
     hits = value(found, "lookup_hit_chunks_total", tier="l1") + value(
         found, "lookup_hit_chunks_total", tier="l2"
     )
-    assert hits == tally.hits
+    # Hits a prefetch found are counted as it ends; those of a result nobody claimed in
+    # time were never answered (under these 0.3 s TTLs a LOOKUP waiting for its prefetch on
+    # a loaded machine may reach the result after it expired, and is answered 0 hits).
+    assert hits == tally.hits + sum(unclaimed), (hits, tally.hits, unclaimed)
 
     # Clients that left: each object they kept locked, and each reservation they never
     # committed, is reaped once at its TTL, and counted -- unless a forced CLEAR took the
