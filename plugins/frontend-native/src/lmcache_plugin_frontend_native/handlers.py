@@ -55,6 +55,23 @@ FENCED_SHARE_OF_L1 = 8
 #: payload frames as they come off the socket (zmq.Frame) or go onto it (bytes-likes)
 Frames = Sequence[Any]
 Response = tuple[p._Reply, Frames]
+
+
+class Handed(tuple[p._Reply, Frames]):
+    """A reply (a :data:`Response`) that hands its client something held for it which
+    the client learns of from this reply alone (read locks, reservations, a prefetch's
+    handle), with what gives that back when the reply cannot be sent (the client is gone,
+    or not reading its replies): a client that never got it never releases, commits,
+    aborts or collects it."""
+
+    undelivered: Callable[[], None]
+
+    def __new__(cls, reply: p._Reply, payloads: Frames, undelivered: Callable[[], None]) -> Handed:
+        handed = super().__new__(cls, (reply, payloads))
+        handed.undelivered = undelivered
+        return handed
+
+
 #: run on the loop thread once a Deferred's work is over: its reply, or None when there is
 #: nothing left to send (the stop answered the request already)
 Finish = Callable[[], Response | None]
@@ -205,6 +222,7 @@ class Handlers:
         self._expired_results = BurstLog(logger, "prefetch_result_expired")
         self._layout_mismatches = BurstLog(logger, "retrieve_layout_mismatch")
         self._lost_reservations = BurstLog(logger)
+        self._undelivered = BurstLog(logger, "reply_dropped")
         #: requests handed to the pool and not answered yet (loop thread only)
         self._pool_requests: set[PoolRequest] = set()
         self._table: dict[type[p._Request], Callable[[Any, bytes, Frames], Response | Deferred]] = {
@@ -292,7 +310,8 @@ class Handlers:
         handle, locked = self.storage.start_prefetch(keys, readers=1)
         wire_handle = self._handle_base + handle
         if locked is None:
-            session.prefetches[handle] = PendingPrefetch(keys, now, now + self.sessions.result_ttl_s)
+            pending = PendingPrefetch(keys, now, now + self.sessions.result_ttl_s)
+            session.prefetches[handle] = pending
             if req.wait_s > 0:  # the client would WAIT next: do it now, saving a round trip
                 req_id = req.req_id
 
@@ -300,12 +319,21 @@ class Handlers:
                     return p.LookupReply(req_id, handle=wire_handle, hits=hits), ()
 
                 return self._wait(identity, req.req_id, handle, now + req.wait_s, reply, "lookup_wait")
-            return p.LookupReply(req.req_id, handle=wire_handle), ()
+            return Handed(
+                p.LookupReply(req.req_id, handle=wire_handle),
+                (),
+                functools.partial(self._prefetch_undelivered, session, handle, pending),
+            )
         # Done at once (the usual all-in-L1 case): the prefix is this client's now.  The
         # keys are the decoder's remembered objects, which the session's dicts match by
         # identity; L1's prefix ends before a repeat, so they are distinct.
-        session.add_read_locks(locked, self.sessions.read_lock_deadline(now), distinct=True)
-        return p.LookupReply(req.req_id, handle=wire_handle, hits=len(locked)), ()
+        deadline = self.sessions.read_lock_deadline(now)
+        session.add_read_locks(locked, deadline, distinct=True)
+        hit = p.LookupReply(req.req_id, handle=wire_handle, hits=len(locked))
+        if not locked:
+            return hit, ()
+        undelivered = functools.partial(self._locks_undelivered, session, locked, deadline, "LOOKUP")
+        return Handed(hit, (), undelivered)
 
     def _settled(self, handle: int, pending: PendingPrefetch) -> bool:
         """Whether the prefetch is done, asking the storage unless a pool thread is waiting
@@ -322,6 +350,77 @@ class Handlers:
         # Deadline from the LOOKUP: L1 took the locks no earlier, so keeps them no shorter.
         session.add_read_locks(pending.locked, self.sessions.prefetch_lock_deadline(pending.started))
         return pending.hits or 0
+
+    def _collected(self, answer: Response, session: Session, pending: PendingPrefetch) -> Response:
+        """``answer``, the reply handing over the prefetch ``_collect`` just collected:
+        with the give-back of its locks should it not be sent."""
+        if not pending.locked:
+            return answer
+        deadline = self.sessions.prefetch_lock_deadline(pending.started)
+        undelivered = functools.partial(
+            self._locks_undelivered, session, pending.locked, deadline, "prefetch result"
+        )
+        return Handed(*answer, undelivered)
+
+    # -- replies that could not be sent -----------------------------------------------------
+    #
+    # A reply that hands its client something only that reply tells of (the slots of its
+    # read locks or reservations, a prefetch's handle) and cannot be sent (RouterLoop.send
+    # counted it as reply_dropped) gives it back at once, on the loop thread, right after
+    # the failed send: nothing of the client's can have changed it in between.  Left, the
+    # locks stayed until the lock TTL, and the reservations write-locked until the write
+    # TTL, then fenced until a commit or abort that never comes (its client never learned
+    # of them) -- the same client's later stores of those keys skipped them as being
+    # written, then were refused.
+    # The session forgets what is given back, so a RELEASE, STORE_ABORT or sweep after it
+    # does not give it back again.
+
+    def _locks_undelivered(self, session: Session, keys: list[ObjectKey], deadline: float, what: str) -> None:
+        """A reply handing over read locks on ``keys`` (taken to expire at ``deadline``)
+        was not sent: those locks, and only those, go back."""
+        taken = session.take_read_lock_at(keys, deadline)
+        if taken and deadline > time.monotonic():  # past it, L1 has reaped them: forgotten only
+            self._release_locks(taken, 1, deadline)
+        self._undelivered.warn(
+            "locks",
+            "a %s reply could not be sent (the client is gone or not reading its replies): "
+            "its read locks on %d keys were given back (failure reason reply_dropped)",
+            what,
+            len(taken),
+        )
+
+    def _prefetch_undelivered(self, session: Session, handle: int, pending: PendingPrefetch) -> None:
+        """A LOOKUP reply naming a prefetch still running was not sent: no one can collect
+        it, so it is given back now rather than at the result TTL."""
+        if session.prefetches.get(handle) is not pending or handle in self._waited:
+            return
+        del session.prefetches[handle]
+        keys = self._give_back(handle, pending)
+        self._undelivered.warn(
+            "prefetch",
+            "a LOOKUP reply naming a running prefetch could not be sent (the client is gone or not "
+            "reading its replies): the prefetch was given back, with its read locks on %d keys "
+            "(failure reason reply_dropped)",
+            keys,
+        )
+
+    def _reservations_undelivered(self, session: Session, reserved: Mapping[ObjectKey, Any]) -> None:
+        """A STORE_RESERVE reply was not sent: no one copies into its slots nor commits
+        them, so its reservations are aborted now, their keys counted refused."""
+        mine = session.take_reserved(reserved)
+        objs = list(mine.values())
+        if mine:
+            self.storage.abort_reserved(mine)
+            self.storage.l1.writers_done(objs)  # fenced at the reserve: nobody copies into them
+            self.stats.store_keys_refused["reply_dropped"] += len(mine)
+        self._forget_writers_if_idle(session)
+        self._undelivered.warn(
+            "reservations",
+            "a STORE_RESERVE reply could not be sent (the client is gone or not reading its "
+            "replies): its %d reservations were given back, their keys not stored "
+            "(store_keys_refused reason reply_dropped)",
+            len(mine),
+        )
 
     def _pending(self, identity: bytes, wire_handle: int) -> tuple[Session, int, PendingPrefetch]:
         """The caller's pending prefetch named by ``wire_handle`` (what its LOOKUP was
@@ -341,8 +440,10 @@ class Handlers:
 
     def query_prefetch(self, req: p.QueryPrefetchStatus, identity: bytes, frames: Frames) -> Response:
         session, handle, pending = self._pending(identity, req.handle)
-        hits = self._collect(session, handle, pending) if self._settled(handle, pending) else None
-        return p.PrefetchStatusReply(req.req_id, hits=hits), ()
+        if not self._settled(handle, pending):
+            return p.PrefetchStatusReply(req.req_id, hits=None), ()
+        hits = self._collect(session, handle, pending)
+        return self._collected((p.PrefetchStatusReply(req.req_id, hits=hits), ()), session, pending)
 
     def wait_prefetch(
         self, req: p.WaitPrefetchStatus, identity: bytes, frames: Frames
@@ -353,7 +454,8 @@ class Handlers:
                 p.ErrorCode.INVALID_ARGUMENT, f"prefetch {req.handle} is already being waited for"
             )
         if self._settled(handle, pending):
-            return p.PrefetchStatusReply(req.req_id, hits=self._collect(session, handle, pending)), ()
+            hits = self._collect(session, handle, pending)
+            return self._collected((p.PrefetchStatusReply(req.req_id, hits=hits), ()), session, pending)
 
         def reply(hits: int | None) -> Response:
             return p.PrefetchStatusReply(req.req_id, hits=hits), ()
@@ -387,8 +489,12 @@ class Handlers:
                 if hits is not None and record.hits is None:
                     record.settle(hits)
                 if record.hits is None:
-                    return reply(None)  # timed out: stays pending
-                return reply(self._collect(live, handle, record))
+                    if kind != "lookup_wait":
+                        return reply(None)  # timed out: stays pending, under a handle its client knows
+                    # Its handle is told by this reply alone: given back if it is not sent.
+                    undelivered = functools.partial(self._prefetch_undelivered, live, handle, record)
+                    return Handed(*reply(None), undelivered)
+                return self._collected(reply(self._collect(live, handle, record)), live, record)
 
             return finish
 
@@ -466,10 +572,18 @@ class Handlers:
             self._note_writer(session, identity)
             session.writer_connection = connection
         session.add_writes(reserved, self.sessions.write_deadline(now))
+        if not reserved:
+            return self._reserve_reply(req, reserved), ()
+        undelivered = functools.partial(self._reservations_undelivered, session, reserved)
+        return Handed(self._reserve_reply(req, reserved), (), undelivered)
+
+    def _reserve_reply(self, req: p.StoreReserve, reserved: dict[ObjectKey, Any]) -> p.StoreReserveReply:
+        """The slots of ``reserved``, one per key ``req`` names (NO_SLOT where none)."""
+        keys, sizes = req.keys, req.sizes
         if len(reserved) == len(keys):
             # Every key reserved, so none named twice: one slot per key in order, without
             # the per-key bookkeeping below (a store of many small chunks pays it per key).
-            return p.StoreReserveReply(req.req_id, slots=self._slots_of([reserved[key] for key in keys])), ()
+            return p.StoreReserveReply(req.req_id, slots=self._slots_of([reserved[key] for key in keys]))
         self._count_skips(self._skips(keys, reserved))
         generations = dict(zip(reserved, self.storage.l1.generations(list(reserved.values())), strict=True))
         slots: list[p.Slot] = []
@@ -481,7 +595,7 @@ class Handlers:
             else:
                 handed_out.add(key)
                 slots.append(p.Slot(obj.offset, obj.size, generations[key]))
-        return p.StoreReserveReply(req.req_id, slots=slots), ()
+        return p.StoreReserveReply(req.req_id, slots=slots)
 
     def _refuse_while_fenced(self, session: Session, keys: Sequence[ObjectKey], now: float) -> None:
         """Fail closed rather than let a client that may still be copying into expired
@@ -918,13 +1032,14 @@ class Handlers:
         session = self.sessions.get(identity, now)
         wanted = _reader_layouts(req)
         objects = self.storage.read(req.keys)
-        objects = self._of_reader_layouts(req.keys, objects, wanted, self.sessions.read_lock_deadline(now))
+        deadline = self.sessions.read_lock_deadline(now)
+        objects = self._of_reader_layouts(req.keys, objects, wanted, deadline)
         locked = req.keys[: len(objects)]
         if len(set(objects)) < len(objects):
             # L1 locks a key repeated in the prefix once: counted twice here, a RELEASE
             # would drop another client's lock on it as well.
             locked = list(dict.fromkeys(locked))
-        session.add_read_locks(locked, self.sessions.read_lock_deadline(now))
+        session.add_read_locks(locked, deadline)
         self.stats.retrieves += 1
         self.stats.retrieve_chunks += len(objects)
         self.stats.retrieve_bytes += sum(obj.size for obj in objects)
@@ -932,7 +1047,11 @@ class Handlers:
         # are the generations the client must still find once it has read the bytes.
         generations = self.storage.l1.generations(objects)
         slots = [p.Slot(obj.offset, obj.size, gen) for obj, gen in zip(objects, generations, strict=True)]
-        return p.RetrieveReply(req.req_id, slots=slots), ()
+        reply = p.RetrieveReply(req.req_id, slots=slots)
+        if not locked:
+            return reply, ()
+        undelivered = functools.partial(self._locks_undelivered, session, locked, deadline, "RETRIEVE")
+        return Handed(reply, (), undelivered)
 
     def _retrieve_inline(self, req: p.Retrieve, identity: bytes) -> Deferred:
         storage, limit, unsent = self.storage, self.max_inline_bytes, self.unsent_inline

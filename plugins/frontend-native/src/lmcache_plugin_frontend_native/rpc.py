@@ -16,7 +16,15 @@ from typing import Any
 
 import zmq
 
-from lmcache_plugin_frontend_native.handlers import Deferred, Finish, Frames, Handlers, error_for
+from lmcache_plugin_frontend_native.handlers import (
+    Deferred,
+    Finish,
+    Frames,
+    Handed,
+    Handlers,
+    Response,
+    error_for,
+)
 from lmcache_tiers.plugin import BurstLog, KeyCache, RouterLoop, decode_request
 from lmcache_tiers.plugin import wire_protocol as p
 
@@ -236,7 +244,7 @@ class RpcServer:
         if isinstance(result, Deferred):
             self._submit(identity, request, result)
         else:
-            self._send(identity, *result)
+            self._answer(identity, result)
 
     # -- pool hand-off ---------------------------------------------------------------------
 
@@ -262,9 +270,13 @@ class RpcServer:
             self._fail_with(identity, req_id, exc, store_keys)
             return
         if result is not None:
-            self._send(identity, *result)
+            self._answer(identity, result)
 
     # -- replying --------------------------------------------------------------------------
+
+    def _answer(self, identity: bytes, answer: Response) -> None:
+        if not self._send(identity, *answer) and isinstance(answer, Handed):
+            answer.undelivered()  # its client never learns of what it hands over
 
     def _fail_with(self, identity: bytes, req_id: int, exc: BaseException, store_keys: int = 0) -> None:
         code, message = error_for(exc)
@@ -290,7 +302,9 @@ class RpcServer:
             )
         self._send(identity, p.ErrorReply(req_id, code.value, message), ())
 
-    def _send(self, identity: bytes, reply: p._Reply, payloads: Frames) -> None:
+    def _send(self, identity: bytes, reply: p._Reply, payloads: Frames) -> bool:
+        """Send ``reply``; False when its client does not get it: it could not be sent
+        (``RouterLoop.send`` counted and logged that), or encoded (an error goes instead)."""
         try:
             header = p.encoder.encode(reply)
         except Exception as exc:
@@ -300,8 +314,9 @@ class RpcServer:
             self.stats.failure(p.ErrorCode.INTERNAL.name.lower())
             message = f"the {type(reply).__name__} could not be encoded: {exc}"
             header = p.encoder.encode(p.ErrorReply(reply.req_id, p.ErrorCode.INTERNAL.value, message))
-            payloads = ()
-        self.router.send([identity, header, *payloads])
+            self.router.send([identity, header])
+            return False
+        return self.router.send([identity, header, *payloads])
 
 
 def _store_keys(request: p._Request) -> int:

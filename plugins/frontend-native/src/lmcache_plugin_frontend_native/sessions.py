@@ -361,6 +361,47 @@ class Session:
         self._count_locked_keys()
         return taken
 
+    def take_read_lock_at(self, keys: Iterable[ObjectKey], deadline: float) -> list[ObjectKey]:
+        """Forget one lock expiring at exactly ``deadline`` on each of ``keys`` (each key
+        once); returns the keys that held one.  For the locks a reply handed over that
+        could not be sent: those very locks, not the client's others on the same keys."""
+        locks = self._indexed()
+        taken: list[ObjectKey] = []
+        for key in dict.fromkeys(keys):
+            held = locks.get(key)
+            if held is None:
+                continue
+            if not isinstance(held, dict):  # one lock
+                if held != deadline:
+                    continue
+                del locks[key]
+            elif deadline in held:
+                if held[deadline] > 1:
+                    held[deadline] -= 1
+                    taken.append(key)
+                    continue
+                del held[deadline]
+                if not held:
+                    del locks[key]
+            else:
+                continue
+            taken.append(key)
+            self._unfile([key], deadline)
+        self._count_locked_keys()
+        return taken
+
+    def take_reserved(self, reserved: Mapping[ObjectKey, Any]) -> dict[ObjectKey, Any]:
+        """Forget the reservations among ``reserved`` this session still holds, each only
+        while it holds that very L1 object for its key; returns them."""
+        writes = self.writes
+        taken: dict[ObjectKey, Any] = {}
+        for key, obj in reserved.items():
+            write = writes.get(key)
+            if write is not None and write[1] is obj:
+                del writes[key]
+                taken[key] = obj
+        return taken
+
     def take_prefetch_locks(
         self, keys: Iterable[ObjectKey], deadline_of: Callable[[float], float]
     ) -> dict[tuple[int, float], list[ObjectKey]]:
