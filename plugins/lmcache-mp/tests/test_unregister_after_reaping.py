@@ -44,6 +44,21 @@ def prepare_and_fall_silent(server: TiersServer, client: MPClient, sequence: int
     wait_for(lambda: reaped(server), "the silent instance was never reaped")
 
 
+def fenced_server(make_mp_server: Any) -> tuple[TiersServer, Any]:
+    """A server whose own sweeps fence a reservation soon after a reaping (the write TTL
+    short); its clients run in the server's process, which no exit lifts the fence of."""
+    server = make_mp_server(worker_registration_grace_s=GRACE_S, l1_write_ttl_s=1.0, l1_lock_ttl_s=1.0)
+    return server, server.frontends[0].handlers.transfers
+
+
+def prepare_and_get_fenced(server: TiersServer, transfers: Any, client: MPClient, sequence: int) -> None:
+    prepare_and_fall_silent(server, client, sequence)
+    wait_for(
+        lambda: bool(transfers.writes.fenced) and l1(server)["leases"]["fenced_extents"] == 1,
+        "the reaped instance's expired reservation fenced",
+    )
+
+
 def test_an_unregister_after_the_reaping_aborts_the_connections_reservations(make_mp_server: Any) -> None:
     server = make_mp_server(worker_registration_grace_s=GRACE_S)
     with MPClient(mp_address(server)) as client:
@@ -60,16 +75,9 @@ def test_an_unregister_after_the_reaping_aborts_the_connections_reservations(mak
 
 
 def test_an_unregister_after_the_reaping_lifts_the_connections_fences(make_mp_server: Any) -> None:
-    # The write TTL short enough for the server's own sweeps to fence the reservation; the
-    # client is in the server's process, which no exit lifts the fence of.
-    server = make_mp_server(worker_registration_grace_s=GRACE_S, l1_write_ttl_s=1.0, l1_lock_ttl_s=1.0)
-    transfers: Any = server.frontends[0].handlers.transfers  # type: ignore[attr-defined]
+    server, transfers = fenced_server(make_mp_server)
     with MPClient(mp_address(server)) as client:
-        prepare_and_fall_silent(server, client, 2)
-        wait_for(
-            lambda: bool(transfers.writes.fenced) and l1(server)["leases"]["fenced_extents"] == 1,
-            "the reaped instance's expired reservation fenced",
-        )
+        prepare_and_get_fenced(server, transfers, client, 2)
         assert client.call(UNREGISTER, REG.instance_id) is None
         assert l1(server)["leases"]["fenced_extents"] == 0
         assert not transfers.writes.fenced
@@ -92,14 +100,9 @@ def test_a_late_commit_after_the_reaping_is_refused_and_gives_the_reservation_ba
 
 
 def test_a_late_commit_after_the_reaping_lifts_the_fence(make_mp_server: Any) -> None:
-    server = make_mp_server(worker_registration_grace_s=GRACE_S, l1_write_ttl_s=1.0, l1_lock_ttl_s=1.0)
-    transfers: Any = server.frontends[0].handlers.transfers  # type: ignore[attr-defined]
+    server, transfers = fenced_server(make_mp_server)
     with MPClient(mp_address(server)) as client:
-        prepare_and_fall_silent(server, client, 4)
-        wait_for(
-            lambda: bool(transfers.writes.fenced) and l1(server)["leases"]["fenced_extents"] == 1,
-            "the reaped instance's expired reservation fenced",
-        )
+        prepare_and_get_fenced(server, transfers, client, 4)
         assert client.unanswered("commit_store", one_chunk(4, "stalled").encode(), REG.instance_id, b"")
         assert client.call("noop") == "OK"  # handled in order: the commit was handled before
         assert l1(server)["leases"]["fenced_extents"] == 0
