@@ -213,9 +213,14 @@ class NixlStoreBackend:
         held = [entry.slot for entry in entries if entry is not None]
         results = [False] * len(keys)
         try:
-            reads = [
-                i for i, entry in enumerate(entries) if entry is not None and entry.size == buffers[i].nbytes
-            ]
+            reads = []
+            for i, entry in enumerate(entries):
+                if entry is None:
+                    continue
+                if entry.size != buffers[i].nbytes:
+                    self._size_changed(keys[i], entry.size, buffers[i].nbytes)
+                    continue
+                reads.append(i)
             if not reads:
                 return results
             if not self._calls.enter():
@@ -227,6 +232,19 @@ class NixlStoreBackend:
                 self._calls.leave()
         finally:
             self._slots.release_reads(held)
+
+    def _size_changed(self, key: ObjectKey, stored: int, wanted: int) -> None:
+        """The key's object is not the size the load's buffer was made for (replaced since
+        the lookup by one of another size): a miss, nothing read, the object kept."""
+        self.context.count("load_size_changed")
+        self.context.warn(
+            "size_changed",
+            "%s not loaded: it is %d bytes in its slot, the load buffer %d (replaced since the "
+            "lookup); a miss, the object kept",
+            key.file_stem(),
+            stored,
+            wanted,
+        )
 
     def _read_held(
         self,
