@@ -1263,7 +1263,8 @@ class MooncakeStoreBackend:
         that read and the removal is removed.  An object that cannot be read again is
         removed as judged -- if its judged read proved its size: else it may be another
         writer's larger record (a miss, ``load_failures``, kept and sized again).  Once
-        removed (or found gone), its bytes are released (``record_removed``)."""
+        removed (or found gone), its bytes are released (``record_removed``); one whose
+        removal fails stays, counted ``corrupt_remove_failures``."""
         accounted = self.context.accounted_size(key)  # before: a store settling since keeps its own
         changed = self._replaced_since(store, name, size, header, payload)
         if changed is _UNTOLD and not sized:
@@ -1291,10 +1292,17 @@ class MooncakeStoreBackend:
         # Gone: nothing to remove, and a remove could only hit the name another writer
         # has reserved since (its put would then fail).
         code = NOT_FOUND if changed is _GONE else store.remove(name, True)
-        if code in (0, NOT_FOUND):
-            self.context.record_removed(key, accounted)
+        if code not in (0, NOT_FOUND):
+            # Still in the pool, a miss at every load: not counted as removed.
+            self.context.count("corrupt_remove_failures")
+            self._throttle.warn(
+                "damaged_kept", "%s: %s is not a valid record (%s): a miss, but its removal "
+                "returned %s: it stays", self.context.name, printable(key.file_stem()), why, describe(code),
+            )  # fmt: skip
+            return
+        self.context.record_removed(key, accounted)
         self.context.count("corrupt_records_removed")
-        outcome = {0: "ok", NOT_FOUND: "gone already"}.get(code) or describe(code)
+        outcome = "ok" if code == 0 else "gone already"
         self._throttle.warn(
             "damaged", "%s: %s is not a valid record (%s): a miss, removed (%s)",
             self.context.name, printable(key.file_stem()), why, outcome,
