@@ -50,7 +50,7 @@ from lmcache_tiers.controllers.prefetch_results import HeldResult
 from lmcache_tiers.controllers.stats import EngineStats
 from lmcache_tiers.errors import plugin_code
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l1 import L1Manager
+from lmcache_tiers.l1 import L1Loan, L1Manager, L1Object
 from lmcache_tiers.l2.interface import L2Op, LookupResult, layouts_of
 from lmcache_tiers.policies import PrefetchPolicy
 
@@ -578,10 +578,13 @@ class PrefetchController(ControllerThread):
 
     def _submit_load(self, request: PrefetchRequest, slot: AdapterSlot, keys: list[ObjectKey]) -> bool:
         """Submit a load of ``keys`` into their reserved L1 objects; False if it could not
-        be (counted, logged, and the keys' pins on ``slot`` dropped)."""
-        objects = [request.reserved[key] for key in keys]
+        be (counted, logged, and the keys' pins on ``slot`` dropped).  Keys whose
+        reservation left L1 since the plan are left out (``_lend_fills``): True, with no
+        load, when none is left."""
         try:
-            loans = [self.l1.lend(obj, fill=True) for obj in objects]
+            keys, objects, loans = self._lend_fills(request, slot, keys)
+            if not keys:
+                return True
             task_id = slot.adapter.submit_load(keys, [loan.buffer for loan in loans])
         except Exception as exc:
             self.stats.fail("l2_load_submit_error")
@@ -594,6 +597,36 @@ class PrefetchController(ControllerThread):
         self._loads.track(slot, task_id, PrefetchLoad(request, (slot.index, task_id), keys, objects, loans))
         self.stats.add_adapter(slot.index, "load_tasks_submitted")
         return True
+
+    def _lend_fills(
+        self, request: PrefetchRequest, slot: AdapterSlot, keys: list[ObjectKey]
+    ) -> tuple[list[ObjectKey], list[L1Object], list[L1Loan]]:
+        """The keys of ``keys`` whose reserved L1 objects are still theirs, those objects, and
+        loans of them to fill from ``slot``.  A reservation can leave L1 between the plan and
+        the load -- a client's write of its key takes it over (counted
+        ``l1_load_taken_over_by_write``, ``l1/writes.py``), its write TTL passes -- on
+        another thread at any moment: lent with the others, it would fail their whole
+        submit, blamed on the adapter, and every key of it would be a miss.  Left out
+        instead, its pins here and on its spare adapters dropped: a miss where the prefix
+        reaches it, and its held extent goes back when the request ends (``abort_load``)."""
+        kept: list[ObjectKey] = []
+        objects: list[L1Object] = []
+        loans: list[L1Loan] = []
+        gone: list[ObjectKey] = []
+        for key in keys:
+            obj = request.reserved[key]
+            try:
+                loan = self.l1.lend(obj, fill=True)
+            except KeyError:
+                gone.append(key)
+                continue
+            kept.append(key)
+            objects.append(obj)
+            loans.append(loan)
+        if gone:
+            self._locks.unpin(request, slot.index, gone)
+            self._drop_spares(request, gone)
+        return kept, objects, loans
 
     def _load_elsewhere(self, request: PrefetchRequest, keys: list[ObjectKey]) -> None:
         """Load ``keys``, which their adapter failed to load (or to take a load of), from
