@@ -24,7 +24,7 @@ from typing import Protocol
 from lmcache_plugin_nixl.availability import check_direct_io
 from lmcache_plugin_nixl.memory import direct_io_ok
 from lmcache_plugin_nixl.runtime import NixlRuntime, Registration
-from lmcache_tiers.plugin import DirectoryLock, FieldError
+from lmcache_tiers.plugin import DirectoryInUseError, DirectoryLock, FieldError, ProcessClaim
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,24 @@ _OBJECT_PREFIX = "lmcache-tiers-nixl-pool"
 def lock_what(directory: str) -> str:
     """How the directory lock and its pre-flight probe name the pool's directory."""
     return f"the nixl_store directory {os.path.abspath(directory)}"
+
+
+def object_pool_identity(backend: str) -> str:
+    """What one nixl_store adapter of a process holds alone on an object backend: NIXL
+    takes one set of parameters per backend and process, so every adapter on ``backend``
+    names the same bucket (container) and would write the same fixed object names."""
+    return f"nixl_store-object-pool:{backend}"
+
+
+def object_pool_taken(backend: str) -> str:
+    """The refusal of a second nixl_store adapter on the object backend ``backend``."""
+    where = "container" if backend == "AZURE_BLOB" else "bucket"
+    return (
+        f"another nixl_store adapter of this server keeps its pool in the {backend} backend, "
+        f"whose objects ({_OBJECT_PREFIX}-000000 ...) this one would overwrite: NIXL gives every "
+        f"adapter on {backend} the same parameters, so the same {where}; configure one "
+        f"nixl_store adapter per object backend"
+    )
 
 
 def slot_file_name(slot: int) -> str:
@@ -214,15 +232,25 @@ class ObjectSlots:
     """One object key per slot in an object store, registered with NIXL once.
 
     The keys are fixed (``lmcache-tiers-nixl-pool-000000`` ...), so a server overwrites
-    its own previous pool instead of leaking objects; one bucket or container per server.
+    its own previous pool instead of leaking objects; one bucket or container per server,
+    and one pool per object backend in a server (:func:`object_pool_identity`), held
+    until :meth:`close`.
     """
 
     storage_mem = "OBJ"
 
     def __init__(self, runtime: NixlRuntime, backend: str, pool_size: int) -> None:
-        self._registration: Registration | None = runtime.register_objects(
-            backend, [(slot, f"{_OBJECT_PREFIX}-{slot:06d}") for slot in range(pool_size)]
-        )
+        try:
+            self._claim = ProcessClaim(object_pool_identity(backend), what=f"the {backend} object pool")
+        except DirectoryInUseError:
+            raise FieldError("backend", object_pool_taken(backend)) from None
+        try:
+            self._registration: Registration | None = runtime.register_objects(
+                backend, [(slot, f"{_OBJECT_PREFIX}-{slot:06d}") for slot in range(pool_size)]
+            )
+        except BaseException:
+            self._claim.release()
+            raise
 
     def device(self, slot: int, address: int, length: int) -> int:
         return slot
@@ -237,7 +265,10 @@ class ObjectSlots:
         return None
 
     def close(self) -> int:
-        if self._registration is not None:
-            self._registration.release()
-            self._registration = None
+        try:
+            if self._registration is not None:
+                self._registration.release()
+                self._registration = None
+        finally:
+            self._claim.release()  # once the objects are no longer this pool's to write
         return 0

@@ -24,11 +24,18 @@ from lmcache_plugin_nixl.availability import check_before_l1
 from lmcache_plugin_nixl.config import FILE_PATH_FIELD, NixlStoreConfig
 from lmcache_plugin_nixl.lifetime import CallLifetime, count_load_stopped_closing, count_store_stopped_closing
 from lmcache_plugin_nixl.memory import HostMemory
-from lmcache_plugin_nixl.pool import FileSlots, ObjectSlots, SlotStorage, lock_what
+from lmcache_plugin_nixl.pool import (
+    FileSlots,
+    ObjectSlots,
+    SlotStorage,
+    lock_what,
+    object_pool_identity,
+    object_pool_taken,
+)
 from lmcache_plugin_nixl.runtime import NixlRuntime
 from lmcache_plugin_nixl.slots import Claim, SlotTable, StoredSlot
 from lmcache_plugin_nixl.transfers import BatchTransfer
-from lmcache_tiers.plugin import BackendContext, Capacity, ObjectKey, check_directory_free
+from lmcache_tiers.plugin import BackendContext, Capacity, ObjectKey, check_claimed_once, check_directory_free
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +46,16 @@ class NixlStoreBackend:
     @staticmethod
     def preflight(config: NixlStoreConfig) -> None:
         """Before L1 exists: a file backend's directory is usable and no other server (or
-        adapter) holds it; the backend's native libraries are there and its remote service
+        adapter) holds it, and no other adapter of the config keeps its pool in the same
+        object backend; the backend's native libraries are there and its remote service
         answers."""
         config.preflight()
         if config.is_file_backend:
             check_directory_free(config.file_path, FILE_PATH_FIELD, what=lock_what(config.file_path))
+        else:
+            check_claimed_once(
+                object_pool_identity(config.backend), "backend", object_pool_taken(config.backend)
+            )
         check_before_l1(config.backend, config.nixl_init_params())
 
     def __init__(self, config: NixlStoreConfig, context: BackendContext) -> None:
