@@ -143,6 +143,9 @@ class KeyScan:
             self.state.name,
         )
         self._stop_listing()
+        # The new listing names again the entries the old one did: those it ignores are
+        # counted from it alone, or each would be counted once per listing read.
+        self.invalid = self.impossible = 0
         self.state.accounting.relisting()
         self._batches = self.runner.listing(BATCH_ENTRIES)
 
