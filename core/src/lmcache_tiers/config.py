@@ -925,10 +925,14 @@ def config_to_builtins(config: ServerConfig) -> dict[str, Any]:
 #: field names whose values are credentials: never printed nor logged.  Azure's account
 #: key and connection string (which holds the account key or a shared access signature)
 #: are named so by the NIXL AZURE_BLOB backend and fsspec's ``abfs://`` store; a private
-#: key's ``passphrase`` by fsspec's ``sftp://`` store.
+#: key's ``passphrase`` by fsspec's ``sftp://`` store; an HTTP store's ``headers``
+#: (``Authorization``, ``Proxy-Authorization``, ``Cookie``) and its client's ``auth`` pair
+#: by fsspec's ``http(s)://`` store (``auth`` only as a whole name or its last word: an
+#: ``author`` is no credential).
 SECRET_FIELD = re.compile(
     r"secret|password|passwd|passphrase|token|credential|access_key|api_key"
-    r"|account_?key|connection_?string|private_?key|shared_?access",
+    r"|account_?key|connection_?string|private_?key|shared_?access"
+    r"|authorization|cookie|(?:^|[_-])auth$",
     re.IGNORECASE,
 )
 #: where a URL's authority (``redis://user:password@host:port``) ends at the latest: its
