@@ -317,6 +317,12 @@ class BackendAdapter(L2Adapter):
                 counters.update({str(name): int(value) for name, value in gauges().items()})
             except Exception as exc:
                 self.state.backend_failed("stats", exc)
+        guard = self.backend
+        if isinstance(guard, (CircuitBackend, AsyncCircuitBackend)):
+            # Core's own, as the counters above: the guard merges them into the plugin's
+            # stats(), which leaves them out when it raises -- a backend down, say, just
+            # when ``circuit_open`` is 1.
+            counters.update(guard.breaker.gauges())
         for serde in self.state.chain.serdes:  # a serde may count what it did, as serde_<name>_*
             serde_stats = getattr(serde, "stats", None)
             if callable(serde_stats):
