@@ -372,6 +372,9 @@ class HttpEndpoint:
                 logger.debug("http %s - %s", self.address_string(), format % args)
 
         host = host.strip("[]")
+        if host == "*":
+            # every address, as a front end's "*" and the start-up pre-flight's probe read it
+            host = "0.0.0.0"
         self._server = (_Server6 if ":" in host else _Server)((host, port), Handler)
         self._server.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._server.refused = lambda: count(REFUSED_BUSY)
