@@ -561,6 +561,18 @@ class Handlers:
             )
         self._refuse_while_fenced(session, keys, now)
         reserved = self.storage.reserve_write(keys, sizes, layouts)
+        replaced = session.fence_replaced(reserved)
+        if replaced:
+            # As for an expired reservation the session saw expire (``_refuse_while_fenced``):
+            # its commit or abort must name one reservation of the key.  Counted as the
+            # sweep counts the reservations it sees expire.
+            self.storage.abort_reserved(reserved)
+            self.stats.failure("store_reservation_expired", len(replaced))
+            raise HandlerError(
+                p.ErrorCode.OUT_OF_MEMORY,
+                f"this client's earlier reservation of key {replaced[0]} expired uncommitted and may "
+                "still be copied into; commit or abort it before storing the key again",
+            )
         if self.storage.l1.fence_writers(list(reserved.values())):
             # Reaped before this client was handed them (a write TTL shorter than this
             # request took): unfenced, their extents may be reused once their grace ends.

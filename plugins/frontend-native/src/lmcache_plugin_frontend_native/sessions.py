@@ -494,6 +494,20 @@ class Session:
                 return key
         return None
 
+    def fence_replaced(self, reserved: Mapping[ObjectKey, Any]) -> list[ObjectKey]:
+        """Fence this client's reservations of the keys L1 just reserved anew (``reserved``),
+        and return those keys.  L1 reserves a key anew only once no reservation holds it, so
+        one still held here was reaped by L1 before its deadline here passed (read a moment
+        before L1 took it): its extent is fenced, and only a commit or abort naming it, or
+        its writer's exit, gives that back -- put in the new one's place, it was forgotten."""
+        writes = self.writes
+        if not writes or writes.keys().isdisjoint(reserved):  # the usual case, in C
+            return []
+        replaced = [key for key in reserved if key in writes and writes[key][1] is not reserved[key]]
+        for key in replaced:
+            self._fence(key, writes.pop(key)[1])
+        return replaced
+
     @property
     def reserved_stores(self) -> int:
         """Reservations held, expired ones until the sweep forgets them; one C call, so any
