@@ -452,6 +452,25 @@ class EvictionPolicySuite(_PolicySuite):
         assert [offered.index(k) for k in reversed(keys)] == sorted(offered.index(k) for k in keys)
 
     @requires(EVICTS)
+    def test_tail_of_a_read_batch_goes_before_its_head(self, policy: EvictionPolicy) -> None:
+        # A LOOKUP reads a prefix, chunk 0 first.  Whatever a read moves (recency, a
+        # promotion, a victim passed over and taken back into use), the prefix must still
+        # be evicted from its tail: evicted from its head, the rest of it is unusable.
+        prefix, others = make_keys(4), make_keys(36, start=100)
+        policy.on_keys_written(prefix)
+        policy.on_keys_written(others)  # pushes the prefix on (out of a small queue, say)
+        policy.on_keys_read(prefix)
+        offered = list(policy.victims())
+        policy.on_keys_removed([])  # a walk that evicted nothing: every victim was locked
+        positions = [offered.index(key) for key in reversed(prefix)]
+        assert positions == sorted(positions), "after a read, the head of the prefix goes first"
+        policy.on_keys_written(others[:1])  # another request between the two reads
+        policy.on_keys_read(prefix)
+        offered = list(policy.victims())
+        positions = [offered.index(key) for key in reversed(prefix)]
+        assert positions == sorted(positions), "after a read of victims passed over, the head goes first"
+
+    @requires(EVICTS)
     def test_removed_then_rewritten_key_is_offered_again(self, policy: EvictionPolicy) -> None:
         key = make_keys(1)
         policy.on_keys_written(key)

@@ -128,7 +128,9 @@ class S3FIFOEvictionPolicy:
     def on_keys_read(self, keys: Sequence[ObjectKey]) -> None:
         frequency = self._frequency
         skipped = self._victims_skipped()
-        for key in keys:
+        # Back to front, as writes: keys the read takes to ``main`` (waiting in ``_due``,
+        # or victims skipped) enter it tail first, so its tail still goes before its head.
+        for key in reversed(keys):
             if key in frequency:
                 self._count_read(key, skipped)
 
