@@ -222,6 +222,7 @@ class Handlers:
         self._expired_results = BurstLog(logger, "prefetch_result_expired")
         self._layout_mismatches = BurstLog(logger, "retrieve_layout_mismatch")
         self._lost_reservations = BurstLog(logger)
+        self._expired_reservations = BurstLog(logger, "store_reservation_expired")
         self._undelivered = BurstLog(logger, "reply_dropped")
         #: requests handed to the pool and not answered yet (loop thread only)
         self._pool_requests: set[PoolRequest] = set()
@@ -753,7 +754,7 @@ class Handlers:
             mine: dict[ObjectKey, Any] = {}
             flags = [False] * len(keys)
         else:
-            mine, flags = session.take_writes(keys, now)
+            mine, flags = self._take_live_writes(session, keys, now)
             fenced = session.take_fenced(keys)
             self._copies_ended(fenced, identity)
             self._forget_writers_if_idle(session)
@@ -764,6 +765,25 @@ class Handlers:
         unheld = [key for key, live in zip(keys, flags, strict=True) if not live and key not in held]
         if unheld:
             self._take_from_earlier_connection(identity, unheld, now, mine, flags, keys)
+        return mine, flags
+
+    def _take_live_writes(
+        self, session: Session, keys: Sequence[ObjectKey], now: float
+    ) -> tuple[dict[ObjectKey, Any], list[bool]]:
+        """``session.take_writes``, counting the reservations it finds expired (fenced
+        there) as the sweep counts those it finds: a commit or abort can come past the
+        write TTL before the sweep saw it pass, and the reservation is not the sweep's to
+        count any more."""
+        fenced = len(session.fenced)  # a key fenced already is never reserved again: no overlap
+        mine, flags = session.take_writes(keys, now)
+        expired = len(session.fenced) - fenced
+        if expired:
+            self.stats.failure("store_reservation_expired", expired)
+            self._expired_reservations.event(
+                expired,
+                f"store reservations committed or aborted past the write TTL "
+                f"({self.sessions.write_ttl_s:g}s): forgotten, their keys not stored",
+            )
         return mine, flags
 
     def _take_from_earlier_connection(
@@ -789,7 +809,7 @@ class Handlers:
                 continue
             if not self.writers.same_process(earlier.identity, earlier.writers, identity, current):
                 continue
-            live, _ = earlier.take_writes(unheld, now)
+            live, _ = self._take_live_writes(earlier, unheld, now)
             for index, key in enumerate(keys):
                 if key in live and key not in mine:
                     flags[index] = True
