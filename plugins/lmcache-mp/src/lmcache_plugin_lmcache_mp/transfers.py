@@ -175,14 +175,21 @@ class Transfers:
             self._refuse_keys("mp_transfer_unregistered_connection", len(keys))
             return PrepareStoreReply(context=_ALL_PRESENT)  # no slots: the client skips its copy
         repeated = self.writes.pop(instance_id, key.request_id, keys, time.monotonic(), peer)
-        if repeated is not None:
+        if repeated is not None and self._abort_unless_reaped(repeated):
             # The same request prepares the same range again on the same connection (it
             # timed out on the first; another process's prepare is not found here):
             # it never got those slots, so nobody writes into them; without this they would
             # stay write-locked for the write TTL.  Another request's reservation is never
             # touched: its client may be copying into it right now.
-            self.storage.abort_reserved(repeated.reserved)
             self._skip_keys("repeated", len(repeated.reserved))
+        elif repeated is not None:
+            # L1 reaped (and fenced) it before this front end's deadline passed (read a
+            # moment before L1 took it): an expired reservation whose copy may still be
+            # going on.  Forgotten here, its extent stayed fenced for good; kept fenced
+            # until its commit, counted as the sweep counts those it sees expire, and this
+            # prepare refused as for any range whose expired reservation is outstanding.
+            self.writes.fence([repeated])
+            self._count_expired([repeated], 0)
         if self._refused_while_fenced(instance_id, key.request_id, keys, peer):
             return PrepareStoreReply(context=_ALL_PRESENT)  # no slots: the client skips its copy
         size = instance.object_bytes
@@ -235,6 +242,17 @@ class Transfers:
             PrepareStoreReply(context={"slots": slots, "chunk_indices": indices}),
             partial(self._store_undelivered, transfer),
         )
+
+    def _abort_unless_reaped(self, transfer: Transfer) -> bool:
+        """Abort a store's reservation if L1 still holds every one of its objects as
+        reserved; False (nothing aborted) if L1 reaped any: its writer may still copy into
+        those, fenced, and an abort would free the others under that copy."""
+        l1 = self.storage.l1
+        with l1.lock:  # no reap between the look and the abort
+            if any(l1.get(object_key) is not obj for object_key, obj in transfer.reserved.items()):
+                return False
+            self.storage.abort_reserved(transfer.reserved)
+            return True
 
     def _store_undelivered(self, transfer: Transfer) -> None:
         """``prepare_store``'s answer could not be sent (its client is gone, or not reading
