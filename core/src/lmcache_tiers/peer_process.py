@@ -543,6 +543,14 @@ class PeerProcess:
         # each had exited before it could be watched, when there is none
         return all(pidfd_exited(pidfd) for pidfd in self._pidfds)
 
+    def all_alive(self) -> bool:
+        """Whether every process it names lives (no: one exited, even before it could be
+        watched, or it is closed).  Only then does each of its pids name the process it
+        watches: the pid of one that exited may be another process's by now."""
+        if self._closed or len(self._pidfds) != len(self.pids):
+            return False
+        return not any(pidfd_exited(pidfd) for pidfd in self._pidfds)
+
     def close(self) -> None:
         self._closed = True
         pidfds, self._pidfds = self._pidfds, []

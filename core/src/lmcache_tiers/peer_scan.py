@@ -273,8 +273,10 @@ class ConnectionPeers:
             _unpin(watch)
             if found is not None:
                 shared = self._by_pids.get(found.pids)
-                if shared is not None and not shared.exited():
-                    found.close()  # a pid names one process while it lives: this one
+                if shared is not None and shared.all_alive():
+                    # A pid names one process while it lives: this one.  Not one of which a
+                    # process exited: its pid may name another now, which it does not watch.
+                    found.close()
                     found = shared
                 else:
                     self._by_pids[found.pids] = found
