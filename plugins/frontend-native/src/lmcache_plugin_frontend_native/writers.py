@@ -236,8 +236,8 @@ class WriterProcesses:
             if not self._settled(writer):
                 return False
             watch = self._process_of(earlier, writer)
-            if watch is None or watch.pids != process.pids or watch.exited():
-                return False
+            if watch is None or watch.pids != process.pids or not watch.all_alive():
+                return False  # one exited: its pid may name another process, ``process``'s
         return True
 
     def _settled(self, watch: PeerWatch | None) -> bool:
@@ -296,7 +296,9 @@ def _same_live_process(one: PeerWatch | None, other: PeerWatch | None) -> bool:
     if one is other:
         return True
     mine, theirs = one.process, other.process
-    return mine is not None and theirs is not None and mine.pids == theirs.pids and not mine.exited()
+    # Every process of ``mine`` alive: its pids name them still (a pid of one that exited
+    # may name another process now, one ``theirs`` holds and ``mine`` does not watch)
+    return mine is not None and theirs is not None and mine.pids == theirs.pids and mine.all_alive()
 
 
 def _hello_may_stand_in(watch: PeerWatch | None) -> bool:
