@@ -73,7 +73,9 @@ class LMCacheMPConfig(FrontendConfig, kw_only=True, frozen=True, forbid_unknown_
             "Most L1 objects one request may name: a lookup's chunks times the world size, a "
             "store's or retrieve's chunks. Beyond it the request is refused (a lookup is 0 hits, "
             "a store gets no slots, a retrieve misses), counted as mp_request_too_large. A "
-            "128k-token prompt in chunks of 256 at world size 8 names 4096.",
+            "128k-token prompt in chunks of 256 at world size 8 names 4096. Also the most keys "
+            "a connection's shared-memory retrieves prepared and not committed yet may name "
+            "before its next one misses (mp_retrieves_uncommitted).",
             ge=1,
         ),
     ] = 1 << 20

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -313,6 +313,8 @@ class PendingTransfers:
         self.fenced: dict[_Ident, list[Transfer]] = {}
         #: the L1 bytes the fenced transfers hold (their objects' extents)
         self.fenced_bytes = 0
+        #: the keys of each connection's pending transfers (``keys_of``)
+        self._keys_by_peer: dict[Peer, int] = {}
 
     @staticmethod
     def ident(instance_id: int, peer: Peer, request_id: str, keys: list[ObjectKey]) -> _Ident:
@@ -321,6 +323,22 @@ class PendingTransfers:
     def add(self, instance_id: int, keys: list[ObjectKey], transfer: Transfer) -> None:
         ident = transfer.ident = self.ident(instance_id, transfer.peer, transfer.request_id, keys)
         self._pending.setdefault(ident, deque()).append(transfer)
+        by_peer = self._keys_by_peer
+        by_peer[transfer.peer] = by_peer.get(transfer.peer, 0) + len(transfer.keys)
+
+    def keys_of(self, peer: Peer) -> int:
+        """How many keys the pending transfers prepared on connection ``peer`` name."""
+        return self._keys_by_peer.get(peer, 0)
+
+    def _removed(self, transfers: Iterable[Transfer]) -> None:
+        """Take ``transfers``, no longer pending, out of their connections' key counts."""
+        by_peer = self._keys_by_peer
+        for transfer in transfers:
+            left = by_peer.get(transfer.peer, 0) - len(transfer.keys)
+            if left > 0:
+                by_peer[transfer.peer] = left
+            else:
+                by_peer.pop(transfer.peer, None)
 
     def fence(self, transfers: list[Transfer]) -> None:
         """Keep expired ``transfers`` fenced until their commit (see the class)."""
@@ -382,6 +400,7 @@ class PendingTransfers:
         found = None
         while queue and found is None:
             transfer = queue.popleft()
+            self._removed((transfer,))
             if transfer.deadline > now:
                 found = transfer
             else:
@@ -401,6 +420,7 @@ class PendingTransfers:
         for index, queued in enumerate(queue):
             if queued is transfer:  # by identity: two prepares of one range compare equal
                 del queue[index]
+                self._removed((transfer,))
                 if not queue:
                     del self._pending[ident]
                 return True
@@ -411,11 +431,14 @@ class PendingTransfers:
         mine = [
             ident for ident in self._pending if ident[0] == instance_id and (peer is None or ident[1] == peer)
         ]
-        return [transfer for ident in mine for transfer in self._pending.pop(ident)]
+        taken = [transfer for ident in mine for transfer in self._pending.pop(ident)]
+        self._removed(taken)
+        return taken
 
     def pop_all(self) -> list[Transfer]:
         everything = [transfer for queue in self._pending.values() for transfer in queue]
         self._pending.clear()
+        self._keys_by_peer.clear()
         return everything
 
     def take_due(self, now: float, margin: float) -> list[Transfer]:
@@ -431,6 +454,7 @@ class PendingTransfers:
                 self._pending[ident] = keep
             else:
                 del self._pending[ident]
+        self._removed(due)
         return due
 
     def expire(self, now: float) -> list[Transfer]:
@@ -441,6 +465,7 @@ class PendingTransfers:
         for ident, queue in list(self._pending.items()):
             live = deque(t for t in queue if t.deadline > now)
             newly = [t for t in queue if t.deadline <= now]
+            self._removed(newly)
             self.fence(newly)
             expired.extend(newly)
             if live:

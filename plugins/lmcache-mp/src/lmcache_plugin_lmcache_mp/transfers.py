@@ -116,6 +116,7 @@ class Transfers:
         #: each connection's pickled replies not taken off the server yet (``unread.py``)
         self.unread = UnreadReplies(shared.config.max_message_mb << 20)
         self._unread_refusals = BurstLog(logger, "mp_replies_unread")
+        self._uncommitted_refusals = BurstLog(logger, "mp_retrieves_uncommitted")
         self._unmapped = BurstLog(logger, "mp_transfer_unregistered_connection")
         # its own window: a line of one cause must not hide the other's
         self._forgotten = BurstLog(logger, "mp_transfer_unregistered_connection")
@@ -631,6 +632,8 @@ class Transfers:
             return _MISS
         if self.shared.shm is not None and not self._maps_segment(instance, peer, "retrieve"):
             return _MISS
+        if self.reads.keys_of(peer) >= self.shared.config.max_request_keys:
+            return self._refuse_uncommitted(peer)
         if self.shared.shm is None and self.unread.over_bound(peer):
             return self._refuse_unread(peer)
         now = time.monotonic()
@@ -754,6 +757,21 @@ class Transfers:
             f"pickled retrieves answered a miss: their connection's replies not read yet hold "
             f"{self.unread.held(peer)} bytes of the server's memory (bound {self.unread.bound}, "
             "max_message_mb); the client must read its replies before asking for more",
+        )
+        return _MISS
+
+    def _refuse_uncommitted(self, peer: bytes) -> Any:
+        """A retrieve of a connection whose retrieves prepared and not committed yet name
+        ``max_request_keys`` keys or more: a miss (the engine recomputes), counted and
+        logged.  Each keeps its keys and read locks until its commit or the sweep shortly
+        before the lock TTL: without a bound, a client that never commits grew the server's
+        memory by one per request for that long.  One retrieve is always served."""
+        self.shared.stats.failure("mp_retrieves_uncommitted")
+        self._uncommitted_refusals.event(
+            1,
+            f"prepare_retrieve calls answered a miss: their connection's retrieves not committed "
+            f"yet name {self.reads.keys_of(peer)} keys (bound {self.shared.config.max_request_keys}, "
+            "max_request_keys); the client must commit its retrieves before preparing more",
         )
         return _MISS
 
