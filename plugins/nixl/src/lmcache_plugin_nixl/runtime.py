@@ -13,15 +13,18 @@ loads without it, serves every backend (see :func:`default_module`).
 
 from __future__ import annotations
 
+import ast
 import ctypes.util
 import importlib
 import importlib.util
 import logging
 import os
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -112,11 +115,48 @@ def default_module() -> tuple[str, str]:
     installed = {name for name in ("nixl_cu13", "nixl_cu12") if importlib.util.find_spec(name) is not None}
     if (
         installed == {"nixl_cu13", "nixl_cu12"}
-        and detect_cuda_major() is None
+        and (_cpu_only_torch_not_loaded() or detect_cuda_major() is None)
         and ctypes.util.find_library("cuobjclient") is None
     ):
         return "nixl_cu12._api", "no CUDA stack here, and the CUDA 13 wheel's OBJ plugin needs libcuobjclient"
     return _DEFAULT_MODULE, "NIXL's own pick"
+
+
+#: the modules through which a process may have a CUDA stack loaded, which
+#: ``detect_cuda_major`` asks before anything else
+_CUDA_MODULES = ("torch", "cuda.bindings", "cupy")
+
+
+def _cpu_only_torch_not_loaded() -> bool:
+    """Whether no CUDA module is loaded and the installed torch is a build without CUDA,
+    told by its version file, read as text.
+
+    ``detect_cuda_major`` finds that same file naming no CUDA and then, as its last resort,
+    imports torch to ask again: a second or more of CPU at every start of a NIXL adapter
+    (torch is otherwise never imported here), for the answer the file gave.  When this
+    says True, that detection ends in None."""
+    if any(name in sys.modules for name in _CUDA_MODULES):
+        return False
+    try:
+        spec = importlib.util.find_spec("torch")  # finds the package without importing it
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.origin:
+        return False
+    try:
+        tree = ast.parse((Path(spec.origin).parent / "version.py").read_text())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        if any(isinstance(target, ast.Name) and target.id == "cuda" for target in targets):
+            return isinstance(value, ast.Constant) and value.value is None
+    return False
 
 
 class Registration:
