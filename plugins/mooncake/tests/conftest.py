@@ -39,12 +39,31 @@ def mooncake_pool(
         cluster.stop()
 
 
+#: how long the master of ``own_cluster_short_client_ttl`` waits for a client's heartbeat
+#: before dropping it and its segment (mooncake_master's default: 10 s); the clients ping
+#: once a second, so a live one is never dropped
+SHORT_CLIENT_TTL_S = 3
+
+
 @pytest.fixture
 def own_cluster(tmp_path: Path, mooncake_unavailable: str | None) -> Iterator[LocalCluster]:
     """A cluster of the test's own (master only: add segment hosts, kill it at will)."""
+    yield from _own_cluster(tmp_path, mooncake_unavailable, [])
+
+
+@pytest.fixture
+def own_cluster_short_client_ttl(tmp_path: Path, mooncake_unavailable: str | None) -> Iterator[LocalCluster]:
+    """``own_cluster`` whose master drops a client that stopped pinging (a killed segment
+    host) after ``SHORT_CLIENT_TTL_S``, not after its default 10 s."""
+    yield from _own_cluster(tmp_path, mooncake_unavailable, [f"--client_ttl={SHORT_CLIENT_TTL_S}"])
+
+
+def _own_cluster(
+    tmp_path: Path, mooncake_unavailable: str | None, flags: list[str]
+) -> Iterator[LocalCluster]:
     if mooncake_unavailable is not None:
         pytest.skip(mooncake_unavailable)
-    cluster = LocalCluster(tmp_path / "mooncake").start()
+    cluster = LocalCluster(tmp_path / "mooncake", master_flags=flags).start()
     try:
         yield cluster
     finally:

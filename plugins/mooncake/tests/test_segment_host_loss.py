@@ -44,8 +44,11 @@ def _lookup(adapter: BackendAdapter, client: BlockingAdapterClient, keys: list[O
 
 
 def test_a_killed_segment_host_s_objects_miss_are_released_and_a_new_host_takes_stores(
-    own_cluster: LocalCluster,
+    own_cluster_short_client_ttl: LocalCluster,
 ) -> None:
+    # The master drops the dead host's segment once its heartbeats are missed for the
+    # client TTL: a short one, so the test does not wait out the default 10 s.
+    own_cluster = own_cluster_short_client_ttl
     host = own_cluster.add_segment_host("64MB")
     adapter = open_adapter(config_for(own_cluster, operation_timeout_s=1.0))
     client = BlockingAdapterClient(adapter, timeout=60)
