@@ -62,9 +62,12 @@ def _run_python(code: str, environment: dict[str, str]) -> subprocess.CompletedP
     )
 
 
-def _run_child(cluster: LocalCluster, code: str, **variables: str) -> subprocess.CompletedProcess[str]:
+def _run_child(
+    cluster: LocalCluster, code: str, resume_once: str | None = None, **variables: str
+) -> subprocess.CompletedProcess[str]:
     """Run ``code`` against ``cluster``'s master, which it stops; resumed after the child
-    ends.  ``variables``: more of the child's environment."""
+    ends, or once the child's stderr shows a line holding ``resume_once`` (the master
+    still stopped then).  ``variables``: more of the child's environment."""
     master = cluster.master
     assert master is not None
     settings = cluster.adapter(key_prefix=f"test-{uuid.uuid4().hex[:12]}/", operation_timeout_s=0.5)
@@ -79,12 +82,46 @@ def _run_child(cluster: LocalCluster, code: str, **variables: str) -> subprocess
         **variables,
     }
     try:
-        child = _run_python(code, environment)
-        wait_stopped(master.pid, HANG_GUARD_S)  # still hung when the child ended
+        if resume_once is None:
+            child = _run_python(code, environment)
+            wait_stopped(master.pid, HANG_GUARD_S)  # still hung when the child ended
+        else:
+            child = _run_python_resuming(code, environment, resume_once, master)
     finally:
         master.send_signal(signal.SIGCONT)
     assert "left unclosed: 1" in child.stdout, child.stdout + child.stderr[-3000:]
     return child
+
+
+def _run_python_resuming(
+    code: str, environment: dict[str, str], marker: str, master: subprocess.Popen[bytes]
+) -> subprocess.CompletedProcess[str]:
+    """``_run_python``, the stopped ``master`` resumed once a line of the child's stderr
+    holds ``marker``: what the child does against the hung master up to that line is
+    what the test checks, and the rest of its exit (Mooncake's teardown against a hung
+    master: fixed HTTP timeouts of seconds) then ends at once."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stderr is not None
+        seen: list[str] = []
+        for line in child.stderr:
+            seen.append(line)
+            if marker in line:
+                wait_stopped(master.pid, HANG_GUARD_S)  # still hung up to the marker
+                master.send_signal(signal.SIGCONT)
+                break
+        stdout, rest = child.communicate(timeout=HANG_GUARD_S)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    return subprocess.CompletedProcess(child.args, child.returncode, stdout, "".join(seen) + rest)
 
 
 def test_a_client_left_unclosed_at_stop_lets_the_leave_path_end_the_process_at_once(
@@ -189,7 +226,16 @@ def test_a_process_that_is_not_a_server_ends_past_a_client_left_unclosed_and_its
     # before closing is given up at operation_timeout_s; Mooncake's RPC timeout (set long
     # by the operator here) keeps it inside when the main thread ends: the exit waits for
     # it, as for the pool's calls.
-    child = _run_child(own_cluster, CHILD_ENDING, MC_RPC_TIMEOUT_MS="60000")
+    # The master resumed once the exit waits for the query: what is checked below is
+    # settled by then, against the hung master (the main thread has ended, which is all
+    # the keeper thread looks at); the rest of the exit would only wait out the query's
+    # bound and Mooncake's teardown timeouts against the hung master (about 15 s).
+    child = _run_child(
+        own_cluster,
+        CHILD_ENDING,
+        resume_once="close-probe: the process waits up to",
+        MC_RPC_TIMEOUT_MS="60000",
+    )
     assert "main ends" in child.stdout, child.stdout
     assert "close-probe: the process waits up to" in child.stderr, child.stderr[-3000:]
     # The thread holding the unclosed client is not a daemon (the signal to serve's leave
