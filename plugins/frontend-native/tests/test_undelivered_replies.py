@@ -43,6 +43,11 @@ SLOW_L2 = json.dumps(
 )
 
 
+#: how long a client whose reply the test dropped waits, on close, for that reply (its
+#: ``cleanup_timeout``; 2 s by default): it never comes, so the wait only ever ends here
+DROPPED_REPLY_WAIT_S = 0.2
+
+
 def drop_next_reply(server: TiersServer, kind: type[p.Reply], monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """The next reply of type ``kind`` is not sent, as to a client that is gone; returns the
     list the dropped reply's frames are put in."""
@@ -94,7 +99,7 @@ def test_a_reservation_whose_slots_never_reached_its_client_is_given_back(
     caplog.set_level(logging.WARNING)
     keys = keys_of(2)
     dropped = drop_next_reply(server, p.StoreReserveReply, monkeypatch)
-    with Client(server.endpoint, timeout=30) as client:
+    with Client(server.endpoint, timeout=30, cleanup_timeout=DROPPED_REPLY_WAIT_S) as client:
         assert client.uses_shm
         identity = unanswered(client, p.StoreReserve(0, "", keys, [CHUNK, CHUNK]), dropped)
         l1 = server.storage.l1.stats()
@@ -126,7 +131,10 @@ def test_read_locks_whose_reply_never_reached_its_client_are_given_back(
     kind: type[p.Lookup] | type[p.Retrieve],
 ) -> None:
     caplog.set_level(logging.WARNING)
-    with Client(server.endpoint, timeout=30) as client, Client(server.endpoint, timeout=30) as other:
+    with (
+        Client(server.endpoint, timeout=30, cleanup_timeout=DROPPED_REPLY_WAIT_S) as client,
+        Client(server.endpoint, timeout=30) as other,
+    ):
         keys = stored(server, client, 2)
         assert other.lookup(keys) == 2  # another client's locks, which must stay
         assert client.lookup(keys) == 2  # this client's own, which its RELEASE gives back
@@ -150,7 +158,7 @@ def test_a_prefetch_result_whose_reply_never_reached_its_client_is_given_back(
 ) -> None:
     caplog.set_level(logging.WARNING)
     server = make_server(adapters=[MOCK_L2])
-    with Client(server.endpoint, timeout=30) as client:
+    with Client(server.endpoint, timeout=30, cleanup_timeout=DROPPED_REPLY_WAIT_S) as client:
         assert "lookup_wait" in client.server_features
         keys = stored(server, client, 2)
         assert server.storage.flush(timeout=30)
@@ -171,7 +179,7 @@ def test_a_running_prefetch_whose_handle_never_reached_its_client_is_given_back(
 ) -> None:
     caplog.set_level(logging.WARNING)
     server = make_server(adapters=[SLOW_L2])
-    with Client(server.endpoint, timeout=30) as client:
+    with Client(server.endpoint, timeout=30, cleanup_timeout=DROPPED_REPLY_WAIT_S) as client:
         keys = stored(server, client, 2)
         assert server.storage.flush(timeout=30)
         assert client.clear() == 2
