@@ -19,8 +19,15 @@ next to a bare ``head_object`` call of the same client.
 The server shares the machine's cores with the client, so on a small machine the figures
 are the server's as much as the client's -- which is why both run against the same one.
 
+``--opens N`` measures opening instead: N adapters opened and closed one after another
+(each one's start-up check and its own client: two botocore sessions), next to N bare
+s3fs filesystems (``S3FileSystem`` with its own botocore session, then ``set_session``).
+The first adapter of a process is shown apart: it reads botocore's service models, which
+later ones share.
+
     python bench/bench_s3.py [--cases 256x1] [--repeat 3] [--inflight 32] [--json]
         [--endpoint URL --bucket NAME]   (credentials from the AWS environment)
+    python bench/bench_s3.py --opens 10 [--json]
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
-from bench_args import BenchParser
+import s3fs
+from bench_args import BenchParser, whole_number_from
 from lmcache_plugin_s3 import S3Config
 from lmcache_plugin_s3.client import open_filesystem
 
@@ -188,11 +196,66 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
     )
 
 
-def open_adapter(config: S3Config, arena: Arena) -> L2Adapter:
+def open_adapter(config: S3Config, l1: memoryview) -> L2Adapter:
     registry = load_registry()
     factory = registry.get(Kind.L2_ADAPTER, "s3").load()
-    context = AdapterContext(index=0, name="0:s3", config=config, l1_buffer=arena.view)
+    context = AdapterContext(index=0, name="0:s3", config=config, l1_buffer=l1)
     return create_adapter(factory, config, context, registry=registry, type_name="s3")
+
+
+def measure_opens(config: S3Config, runs: int) -> dict[str, Any]:
+    """Seconds to open an adapter and a bare s3fs filesystem, ``runs`` of each, alternating;
+    closing is not timed."""
+    l1 = memoryview(bytearray(MIB))
+    loop = Loop()
+
+    async def bare_open() -> s3fs.S3FileSystem:
+        fs = s3fs.S3FileSystem(
+            asynchronous=True,
+            loop=asyncio.get_running_loop(),
+            skip_instance_cache=True,
+            endpoint_url=config.endpoint_url,
+        )
+        await fs.set_session()
+        return fs
+
+    async def bare_close(fs: s3fs.S3FileSystem) -> None:
+        await fs._s3creator.__aexit__(None, None, None)
+
+    adapter_s: list[float] = []
+    bare_s: list[float] = []
+    try:
+        for _ in range(runs):
+            start = time.perf_counter()
+            adapter = open_adapter(config, l1)
+            adapter_s.append(time.perf_counter() - start)
+            adapter.close()
+            start = time.perf_counter()
+            fs = loop.run(bare_open())
+            bare_s.append(time.perf_counter() - start)
+            loop.run(bare_close(fs))
+    finally:
+        loop.close()
+    later = adapter_s[1:]
+    return {
+        "adapter_first_s": adapter_s[0],
+        "adapter_later_median_s": statistics.median(later) if later else None,
+        "bare_s3fs_median_s": statistics.median(bare_s),
+        "runs": runs,
+        "adapter_s": adapter_s,
+        "bare_s3fs_s": bare_s,
+    }
+
+
+def print_opens(where: str, opens: dict[str, Any]) -> None:
+    later = opens["adapter_later_median_s"]
+    print(f"\nopen, {opens['runs']} of each  ({where}, {os.cpu_count()} cores)")
+    print(f"s3 adapter, first in the process   {opens['adapter_first_s']:.3f} s")
+    if later is not None:
+        print(f"s3 adapter, later ones (median)    {later:.3f} s")
+    print(f"bare s3fs open (median)            {opens['bare_s3fs_median_s']:.3f} s")
+    print("(an adapter: its start-up check -- a session, a client, one listing -- and its own")
+    print(" session and client; a bare s3fs open: one session and client, no request)")
 
 
 def keys_for(tag: str, count: int) -> list[ObjectKey]:
@@ -203,7 +266,7 @@ def run_case(count: int, size: int, args: argparse.Namespace, config: S3Config) 
     arena = Arena(count, size)
     loop = Loop()
     direct = Direct(config, loop, args.inflight)
-    adapter = open_adapter(config, arena)
+    adapter = open_adapter(config, arena.view)
     client = BlockingAdapterClient(adapter, timeout=600)
     total = count * size
     runs: dict[str, dict[str, list[float]]] = {"s3fs direct": {}, "s3 adapter": {}}
@@ -332,6 +395,11 @@ def main() -> None:
     parser.add_argument(
         "--bucket", default=BUCKET, help=f"bucket (default {BUCKET}; must exist with --endpoint)"
     )
+    parser.add_argument(
+        "--opens",
+        type=whole_number_from(1),
+        help="measure opening instead: N adapters next to N bare s3fs filesystems",
+    )
     parser.add_argument("--json", action="store_true", help="print results as JSON")
     args = parser.parse_args()
     server: SeaweedS3 | None = None
@@ -352,6 +420,13 @@ def main() -> None:
     )
     report = []
     try:
+        if args.opens is not None:
+            opens = measure_opens(config, args.opens)
+            if args.json:
+                print(json.dumps({"where": where, **opens}, indent=2))
+            else:
+                print_opens(where, opens)
+            return
         for item in args.cases.split(","):
             count, mib = (int(part) for part in item.lower().split("x"))
             results = run_case(count, mib * MIB, args, config)

@@ -14,6 +14,8 @@
   the S3 API requires them: a record carries its own checksum, verified on every read, and
   a store sends the CRC32 of its body itself (:func:`records.crc32_checksum`), as a plain
   header -- botocore's own would go as an aws-chunked trailer over HTTPS.
+* Every session reads botocore's service models through the process's one loader
+  (:mod:`service_models`): parsed once per process, not once per session.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import msgspec
 import s3fs
 
 from lmcache_plugin_s3.config import S3Config
+from lmcache_plugin_s3.service_models import share_service_models
 from lmcache_plugin_s3.tls_probe import speaks_tls
 from lmcache_tiers.plugin import ConfigError
 
@@ -91,6 +94,7 @@ def open_filesystem(config: S3Config) -> s3fs.S3FileSystem:
     """The s3fs filesystem of ``config``, bound to the running event loop (the benchmark
     uses it too, as the direct client the adapter is compared with)."""
     session = aiobotocore.session.AioSession(profile=config.profile)
+    share_service_models(session)
     if config.region is not None:
         session.set_config_variable("region", config.region)
     fs = s3fs.S3FileSystem(
