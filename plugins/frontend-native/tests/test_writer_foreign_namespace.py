@@ -84,6 +84,7 @@ def test_the_hello_pid_of_a_peer_off_loopback_is_never_watched(tmp_path: Path) -
     try:
         says(named, "mapped")
         writers.hello(b"remote", named.pid)
+        writers.note(b"remote", [], None)  # it reserves: the pid it told is the one kept
         remote = PeerWatch(PeerSocket(far=("10.1.2.3", 40000), near=("10.1.2.4", 5555)))
         remote.arm(None)
         unknown = None  # the kernel gave no answer at all: the HELLO pid stands in

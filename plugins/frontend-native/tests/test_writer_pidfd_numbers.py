@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from lmcache_plugin_frontend_native.writers import WriterProcesses
 
+from lmcache_tiers.peer_scan import PeerWatch
+
 #: maps argv[1], says so, then waits to be killed
 MAPPER = """
 import mmap, sys, time
@@ -57,10 +59,12 @@ def test_a_pidfd_numbered_past_1024_tells_the_exit(tmp_path: Path) -> None:
         while taken[-1] < HIGH_FD:
             taken.append(os.dup(filler))
         processes.hello(b"writer", writer.pid)
-        assert not processes.exited(b"writer", [None])  # its pidfd opened now, past 1024
+        kept: list[PeerWatch | None] = []
+        processes.note(b"writer", kept, None)  # it reserves: the kernel names no process
+        assert not processes.exited(b"writer", kept)  # its pidfd opened now, past 1024
         writer.kill()
         writer.wait()
-        assert processes.exited(b"writer", [None])
+        assert processes.exited(b"writer", kept)
     finally:
         processes.close()
         for fd in taken:

@@ -52,10 +52,10 @@ def test_a_later_connection_of_a_pid_gone_to_another_process_is_kept(
     writers = WriterProcesses(0, 0, lambda identity: True)
     try:
         kept: list[PeerWatch | None] = []
-        writers.note(kept, armed(pids, list(pids)))
+        writers.note(b"client", kept, armed(pids, list(pids)))
         child.kill()
         child.wait()
-        writers.note(kept, armed(pids, [newcomer.pid, survivor.pid]))
+        writers.note(b"client", kept, armed(pids, [newcomer.pid, survivor.pid]))
         survivor.kill()
         survivor.wait()
         assert not writers.exited(b"client", kept), "the process of the later connection lives"

@@ -842,7 +842,7 @@ class Handlers:
         watch = self.writers.of_request(self._source_fd(), identity)
         if not (session.writes or session.fenced):
             session.writers.clear()  # what reserved before is done with: its exit lifts nothing
-        self.writers.note(session.writers, watch)
+        self.writers.note(identity, session.writers, watch)
 
     def _forget_writers_if_idle(self, session: Session) -> None:
         """A session holding no reservation forgets who reserved: their exits lift nothing."""

@@ -17,7 +17,13 @@ where the kernel names no writer for a local client (a client in the server's ow
 over TCP, a process the scan cannot see, a connection through a relay process, a failed
 scan): it is the client's
 own word, in a pid namespace the server may not share, and a pid naming another process
-would lift the fence while the writer still copies.  Either way a process is watched only
+would lift the fence while the writer still copies.  It is the pid the identity's HELLO
+reported when the reservation was made, kept with the session's writers
+(:meth:`WriterProcesses.note`): a routing identity a client chose may be taken over by
+another process once its connection drops, and that one's HELLO, read later, would have
+its exit lift the fences of the writer it took over from, or its commit over a
+connection of its own give them back (:meth:`WriterProcesses.same_process`), while that
+writer lives and may still copy.  Either way a process is watched only
 if it maps the arena segment itself (core's ``watch_writer_socket`` and ``maps_file``:
 its device and inode in ``/proc/<pid>/maps``), through a pidfd opened before the maps are
 read, which a later reuse of the pid cannot fool: a relay's process, which copies
@@ -87,21 +93,31 @@ from lmcache_tiers.plugin import (
 #: picks its identity, so the table is bounded
 MAX_PIDS = 4096
 
+#: HELLO pids one identity's fences wait for (past it, none: its fences stay until its
+#: commit or abort): a peer may greet under any pid between its reservations, and each is
+#: a pidfd held
+MAX_PIDS_RESERVED_AS = 16
+
 
 class WriterProcesses:
     """Watches of the processes at the other end of clients' connections.
 
     A session's ``writers`` hold the kernel's watch of each connection that reserved under
     its identity (a ``PeerWatch``), or None where the kernel could not tell at all; where
-    the watch names no process (armed with none) or there is none, the HELLO pid of that
-    identity stands in, watched once asked (``_by_hello``, dropped by :meth:`forget`)."""
+    the watch names no process (armed with none) or there is none, the HELLO pids that
+    identity had when it reserved stand in (``_reserved_as``), watched once asked
+    (``_by_hello``); both dropped by :meth:`forget`."""
 
     def __init__(self, shm_device: int, shm_inode: int, holds: Callable[[bytes], bool]) -> None:
         """``holds(identity)``: whether that client holds anything (a session) now."""
         self._holds = holds
         self._arena = (shm_device, shm_inode)
         self._pids: dict[bytes, int] = {}
-        #: identity -> the watch of its HELLO pid (None: not a process mapping the arena)
+        #: identity -> the HELLO pids it had as it made the reservations it holds (0: it
+        #: had none); one entry per identity holding reservations, dropped by forget()
+        self._reserved_as: dict[bytes, tuple[int, ...]] = {}
+        #: identity -> the watch of its ``_reserved_as`` pids (None: not a process mapping
+        #: the arena, or not all of them watched)
         self._by_hello: dict[bytes, PeerProcess | None] = {}
         #: what finds a connection's writer (its processes, if one maps the arena), run on
         #: the scan worker
@@ -121,7 +137,8 @@ class WriterProcesses:
         pids[identity] = pid
         if len(pids) > MAX_PIDS:
             # Not the pid of a client holding reservations: a long-lived client's HELLO is
-            # old, and without its pid its fences would outlive its process.
+            # old, and without its pid the fences of its next reservations would outlive
+            # its process (those made already are watched as ``_reserved_as`` says).
             holds = self._holds
             oldest = next((peer for peer in pids if not holds(peer)), next(iter(pids)))
             del pids[oldest]
@@ -134,11 +151,27 @@ class WriterProcesses:
         descriptors; not found there, every process is scanned (core's ``peer_process``)."""
         return self.connections.watch(fd, hint=self._pids.get(identity, 0))
 
-    @staticmethod
-    def note(writers: list[PeerWatch | None], watch: PeerWatch | None) -> None:
-        """Add ``watch`` to a session's ``writers``: one per live process, so a client
-        reserving over many connections (or over one, again and again) adds none once its
-        lookups have ended; a watch armed since it was added may now name one kept."""
+    def note(self, identity: bytes, writers: list[PeerWatch | None], watch: PeerWatch | None) -> None:
+        """Add ``watch`` to the ``writers`` of ``identity``'s session as it reserves: one
+        per live process, so a client reserving over many connections (or over one, again
+        and again) adds none once its lookups have ended; a watch armed since it was added
+        may now name one kept.  The identity's HELLO pid now is kept too: where the kernel
+        names no writer, the process it names is the one whose exit lifts these fences,
+        whatever pid a later HELLO under the identity reports."""
+        pid = self._pids.get(identity, 0)
+        # None reserved before (or what did is done with: its exit lifts nothing now)
+        reserved_as = self._reserved_as.get(identity, ()) if writers else ()
+        if pid not in reserved_as and 0 not in reserved_as:  # 0: watched as none already
+            if len(reserved_as) >= MAX_PIDS_RESERVED_AS:
+                pid = 0
+            # Watched anew, as every pid its reservations were made under.
+            self._reserved_as[identity] = (*reserved_as, pid)
+            self._close_hello_watch(identity)
+            if reserved_as:
+                # Rare (a client greeting as another pid between its reservations): all
+                # watched now, while the pid just told names its process; one of them gone
+                # already, no pidfd proves it was the writer, and none is watched.
+                self._hello_watch(identity)
         if watch not in writers:
             writers.append(watch)
         kept: list[PeerWatch | None] = []
@@ -190,10 +223,10 @@ class WriterProcesses:
             return True
         if not _hello_may_stand_in(writer):
             return False
-        if holds or identity in self._by_hello:
+        if holds:
             return self._hello_watch(identity) is not None
-        pid = self._pids.get(identity, 0)
-        watch = self._mapping_the_arena(_watch_pid(pid)) if pid > 0 else None
+        # Nothing held: what a reservation made now would be watched as.
+        watch = self._mapping_the_arena(_watch_pids((self._pids.get(identity, 0),)))
         if watch is None:
             return False
         watch.close()
@@ -219,11 +252,11 @@ class WriterProcesses:
             return False  # nothing here names it: not tied to another identity
         if process is None:
             pid = self._pids.get(identity, 0)
-            if pid <= 0 or pid != self._pids.get(earlier):
+            if pid <= 0 or self._reserved_as.get(earlier) != (pid,):
                 return False  # not watched only to be told apart
             # Watched only for this answer, not kept as ``identity``'s: a client asking
             # may hold nothing, so no forget() would ever close it.
-            process = told = self._mapping_the_arena(_watch_pid(pid))
+            process = told = self._mapping_the_arena(_watch_pids((pid,)))
         try:
             return process is not None and not process.exited() and self._all_of(earlier, writers, process)
         finally:
@@ -256,6 +289,10 @@ class WriterProcesses:
 
     def forget(self, identity: bytes) -> None:
         """The client holds no reservation any more: stop watching its HELLO pid."""
+        self._reserved_as.pop(identity, None)
+        self._close_hello_watch(identity)
+
+    def _close_hello_watch(self, identity: bytes) -> None:
         watch = self._by_hello.pop(identity, None)
         if watch is not None:
             watch.close()
@@ -265,9 +302,10 @@ class WriterProcesses:
         self.connections.count_failures(count, _meaning)
 
     def _hello_watch(self, identity: bytes) -> PeerProcess | None:
+        """The watch of the HELLO pids ``identity`` reserved under (exited once all have)."""
         if identity not in self._by_hello:
-            pid = self._pids.get(identity, 0)
-            self._by_hello[identity] = self._mapping_the_arena(_watch_pid(pid)) if pid > 0 else None
+            pids = self._reserved_as.get(identity, ())
+            self._by_hello[identity] = self._mapping_the_arena(_watch_pids(pids))
         return self._by_hello[identity]
 
     def _mapping_the_arena(self, watch: PeerProcess | None) -> PeerProcess | None:
@@ -284,6 +322,7 @@ class WriterProcesses:
         """At the stop: forget every connection (lookups not run yet are given up) and
         HELLO (sessions holding a kernel watch close it when they go)."""
         self.connections.close()
+        self._reserved_as.clear()
         for watch in self._by_hello.values():
             if watch is not None:
                 watch.close()
@@ -316,12 +355,19 @@ def _meaning(reason: str) -> str:
     return "their fences stay until their clients commit or abort (looked up again at the next STORE_RESERVE)"
 
 
-def _watch_pid(pid: int) -> PeerProcess | None:
+def _watch_pids(pids: tuple[int, ...]) -> PeerProcess | None:
+    """A watch of every one of ``pids``, or None if one cannot be watched (no pid told)."""
+    pidfds: list[int] = []
     try:
-        pidfd = os.pidfd_open(pid)
+        for pid in pids:
+            if pid <= 0:
+                raise ProcessLookupError(pid)
+            pidfds.append(os.pidfd_open(pid))
     except OSError:  # gone already, or never here: no proof it was our client's
+        for pidfd in pidfds:
+            os.close(pidfd)
         return None
-    return PeerProcess((pid,), [pidfd])
+    return PeerProcess(pids, pidfds) if pidfds else None
 
 
 __all__ = ["MAX_PIDS", "WriterProcesses"]
