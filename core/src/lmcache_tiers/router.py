@@ -9,7 +9,8 @@ ROUTER, whose identity the loop recognises (:meth:`RouterLoop.is_waker`).
 
 A front end owns a :class:`RouterLoop`, receives with its ``socket`` in the
 ``receive_one`` it passes to :meth:`RouterLoop.run`, hands blocking work to
-:meth:`RouterLoop.submit` and replies with :meth:`RouterLoop.send`.
+:meth:`RouterLoop.submit` and replies with :meth:`RouterLoop.send`.  While the pool holds
+its bound of requests the loop reads none (:meth:`RouterLoop._hold_reading`).
 
 Both report to :data:`~lmcache_tiers.activity.DATA_PLANE` (work in the pool is a span, a
 reply a touch), which is how write-back knows to stay out of the way of requests.
@@ -82,6 +83,15 @@ REPLY_SETTLE_S = 0.05
 #: how long ``start`` waits for ZeroMQ's I/O thread to have named itself (it is found by
 #: name); a moment, longer only on a machine too busy to run the new thread
 IO_THREAD_NAME_WAIT_S = 1.0
+#: requests the pool may hold (running and queued) per pool thread: at that many the loop
+#: stops reading new requests until the pool is down to ``POOL_RESUME_SHARE`` of it.  Far
+#: above the thread count, so that while waits hold every thread the requests queued behind
+#: them have room, and only a queue that keeps growing reaches it (1024 requests for the
+#: native front end's 8 threads; a client's pipelining window is 64)
+POOL_REQUESTS_PER_WORKER = 128
+#: the share of its bound the pool must be down to before the loop reads again: a few
+#: requests' room at a time would stop and restart reading for every request that ends
+POOL_RESUME_SHARE = 0.75
 
 
 class RouterLoop:
@@ -98,10 +108,13 @@ class RouterLoop:
         sweep_interval_s: float,
         drain_timeout_s: float,
         sweep_ttls: Sequence[float] = (),
+        max_pool_requests: int | None = None,
     ) -> None:
         """``sweep_interval_s`` is the sweep's period, shortened to a quarter of the
         shortest of ``sweep_ttls`` (the TTLs the front end's sweep enforces) when that is
-        shorter (at least ``SWEEP_FLOOR_S``, ``sweep_cadence.py``)."""
+        shorter (at least ``SWEEP_FLOOR_S``, ``sweep_cadence.py``).  ``max_pool_requests``
+        (default ``POOL_REQUESTS_PER_WORKER`` per pool thread) bounds the requests on the
+        pool: see :meth:`_hold_reading`."""
         self.name = name
         self.stats = stats
         self.sweep_interval_s = sweep_interval(sweep_ttls, ceiling=sweep_interval_s)
@@ -147,6 +160,19 @@ class RouterLoop:
             collections.deque()
         )
         self.in_pool = 0
+        self.max_pool_requests = (
+            max_pool_requests if max_pool_requests is not None else pool_workers * POOL_REQUESTS_PER_WORKER
+        )
+        if self.max_pool_requests < 1:
+            raise ValueError(f"max_pool_requests must be at least 1, not {self.max_pool_requests}")
+        self._resume_at = int(self.max_pool_requests * POOL_RESUME_SHARE)
+        #: whether the loop has stopped reading requests for want of room on the pool
+        self.reading_held = False
+        #: set by a pool thread that finishes work while the loop waits for room: the loop
+        #: then reads nothing, so the wake-up message would not reach it
+        self._room = threading.Event()
+        self._waiting_for_room = False
+        self._held_log = BurstLog(logger, "pool_backpressure")
         #: requests on the pool whose ``done`` has not run, by their span token (loop thread)
         self._unanswered: dict[object, CountedAtStop] = {}
         self._stop_requested = False
@@ -355,7 +381,13 @@ class RouterLoop:
         drain_deadline = 0.0
         try:
             while True:
-                receive_one()
+                if self.reading_held:
+                    self._wait_for_room(next_sweep)
+                elif self.in_pool >= self.max_pool_requests and not self._stop_requested:
+                    self._hold_reading()
+                    self._wait_for_room(next_sweep)
+                else:
+                    receive_one()
                 if self._completions:
                     self._finish_completions()
                 now = time.monotonic()
@@ -389,6 +421,53 @@ class RouterLoop:
                 self._let_replies_land(receive_one)
             self._count_abandoned()
             self._close_sockets()
+
+    def _hold_reading(self) -> None:
+        """Stop reading requests: the pool holds its bound of them.
+
+        Every request read may go to the pool, so a client sending pool requests faster
+        than the pool ends them grew its queue (and the memory of what they carry) without
+        bound.  Not read, requests wait in libzmq's queue of their connection
+        (``RECEIVE_QUEUE_MESSAGES``), then in the senders' own queues: their sends block or
+        wait, and nothing is dropped or reordered.  Replies still go out, the pool's work
+        is finished and the sweep runs; reading starts again once the pool is down to
+        ``POOL_RESUME_SHARE`` of its bound, or as the stop begins (a draining front end
+        sends nothing more to the pool, it refuses).
+
+        Work that a later request would end (a wait woken when the loop settles the
+        prefetch for another request) cannot hold the loop for ever: every wait has a
+        deadline of its own, at which it ends and the pool drains, and the sweep, which
+        settles prefetches too, still runs.  The bound, far above the thread count, is
+        reached only when queued work piles up behind running work anyway."""
+        self.reading_held = True
+        self.stats.pool_backpressure += 1
+        self._held_log.warn(
+            "held",
+            "%s: %d requests on the pool (its bound): not reading new requests until it is "
+            "down to %d; clients' requests wait in their connections' queues "
+            "(pool_backpressure_total, pool_backpressure_seconds_total)",
+            self.name,
+            self.in_pool,
+            self._resume_at,
+        )
+
+    def _wait_for_room(self, next_sweep: float) -> None:
+        """While reading is held: wait for the pool to end something (or for the next
+        sweep, which is also when a stop is noticed), finish what it ended, and read
+        again if that made room."""
+        started = time.monotonic()
+        self._room.clear()
+        # A pool thread appends its completion, then looks at this flag; the loop sets it,
+        # then looks for completions: one of the two sees the other.
+        self._waiting_for_room = True
+        if not self._completions and not self._stop_requested:
+            self._room.wait(max(0.0, next_sweep - started))
+        self._waiting_for_room = False
+        if self._completions:
+            self._finish_completions()
+        self.stats.pool_backpressure_seconds += time.monotonic() - started
+        if self.in_pool <= self._resume_at or self._stop_requested:
+            self.reading_held = False
 
     def _note_open_files(self) -> None:
         """At the descriptor limit libzmq's accept fails with EMFILE and is retried without
@@ -479,6 +558,8 @@ class RouterLoop:
                 item = (done, None, exc, token)
             self._completions.append(item)
             self._wake()
+            if self._waiting_for_room:
+                self._room.set()
 
         self.in_pool += 1
         self._unanswered[token] = counted_at_stop

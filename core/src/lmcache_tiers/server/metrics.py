@@ -186,6 +186,16 @@ class TiersCollector(Collector):
         in_flight.add_metric(["client_stores"], stats.reserved_stores)
         in_flight.add_metric(["pool_requests"], stats.pool_tasks)
         yield in_flight
+        yield from self._single(
+            "pool_backpressure",
+            stats.pool_backpressure,
+            "Times a front end stopped reading requests because its pool held its bound of them",
+        )
+        yield from self._single(
+            "pool_backpressure_seconds",
+            stats.pool_backpressure_seconds,
+            "Seconds front ends spent not reading requests because their pool held its bound of them",
+        )
 
         failures = _counter("failures", "Failures, by reason", ["reason"])
         merged: dict[str, int] = dict(storage.get("failures", {}))
