@@ -275,7 +275,14 @@ class RpcServer:
     # -- replying --------------------------------------------------------------------------
 
     def _answer(self, identity: bytes, answer: Response) -> None:
-        if not self._send(identity, *answer) and isinstance(answer, Handed):
+        sent = self._send(identity, *answer)
+        handlers = self.handlers
+        handing = handlers.handing
+        if handing is not None:  # a LOOKUP's read locks (``Handlers.handing``)
+            handlers.handing = None
+            if not sent:
+                handlers.locks_undelivered(handing)
+        elif not sent and isinstance(answer, Handed):
             answer.undelivered()  # its client never learns of what it hands over
 
     def _fail_with(self, identity: bytes, req_id: int, exc: BaseException, store_keys: int = 0) -> None:
