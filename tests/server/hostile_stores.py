@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -38,13 +38,25 @@ class Objects:
 
     def find(self, key: ObjectKey) -> str:
         """The name of the object holding ``key``'s intact record."""
+        return self.locate([key])[0]
+
+    def locate(self, keys: Sequence[ObjectKey]) -> list[str]:
+        """The names of the objects holding ``keys``' intact records, in order: each object
+        read once (a store's objects one by one per key were seconds on a remote store)."""
+        wanted = set(keys)
+        found: dict[ObjectKey, str] = {}
         for name in self.names():
             try:
-                decode_header(self.read(name), expected_key=key)
+                header = decode_header(self.read(name))
             except RecordError:
                 continue
-            return name
-        raise AssertionError(f"no record of {key.file_stem()} in the store")
+            if header.key in wanted:
+                found.setdefault(header.key, name)
+                if len(found) == len(wanted):
+                    break
+        missing = [key.file_stem() for key in keys if key not in found]
+        assert not missing, f"no record of {missing} in the store"
+        return [found[key] for key in keys]
 
 
 class FileObjects(Objects):
@@ -261,21 +273,24 @@ def backend_stats(client: Client) -> dict[str, int]:
     return stats
 
 
-def out_of_l1(
-    server: ServerProcess,
-    client: Client,
-    restart: bool,
-    directory: Path,
-    adapter: dict[str, Any],
-    env: dict[str, str],
-) -> ServerProcess:
-    """The chunks stored out of L1: the server stopped and another started on ``adapter``
-    in ``directory`` (returned), or without ``restart`` L1 cleared (``server`` returned)."""
-    if not restart:
+#: the two ways a test takes the chunks it stored out of L1, in this order: L1 cleared (the
+#: server that stored them accounts them), then that server stopped and another started on
+#: the store (it knows them from its start-up scan only)
+WAYS_OUT_OF_L1 = ("l1-cleared", "restarted")
+
+
+def out_of_l1_both_ways(
+    server: ServerProcess, directory: Path, adapter: dict[str, Any], env: dict[str, str]
+) -> Iterator[tuple[str, ServerProcess]]:
+    """Each way of ``WAYS_OUT_OF_L1`` with the server to read from then: ``server``, its L1
+    cleared, then (``server`` stopped) another started on ``adapter`` in ``directory``.
+    A test stores and changes a set of keys for each way and reads each set its way, so
+    one run of the first server serves both."""
+    with Client(server.url, timeout=60) as client:
         client.clear(force=True)
-        return server
+    yield WAYS_OUT_OF_L1[0], server
     assert server.stop() == 0, server.output()
-    return start_server(directory, adapters=[adapter], env=env)
+    yield WAYS_OUT_OF_L1[1], start_server(directory, adapters=[adapter], env=env)
 
 
 def metrics_of(server: ServerProcess) -> str:

@@ -17,18 +17,19 @@ import pytest
 from hostile_stores import (  # noqa: F401 - store_service: the fixture store depends on
     CHUNK,
     NAMESPACE,
+    WAYS_OUT_OF_L1,
     Store,
     backend_stats,
     flip,
     header_end,
     metrics_of,
-    out_of_l1,
+    out_of_l1_both_ways,
     store,
     store_service,
 )
 from hostile_support import damaged_served, exported, read_each, wait_stored, warned_about
 from shared_stores import STARTERS, SharedStore
-from tiers_e2e import digest, make_keys, make_payloads, start_server
+from tiers_e2e import ServerProcess, digest, make_keys, make_payloads, start_server
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.keys import ObjectKey
@@ -73,59 +74,76 @@ DAMAGE: list[tuple[str, Callable[[bytes, bytes], bytes]]] = [
 EXTENDED = {"extended", "extended by a chunk"}
 
 
-@pytest.mark.parametrize("restart", [False, True], ids=["l1-cleared", "restarted"])
 def test_every_damaged_or_misplaced_record_is_a_counted_miss(
     tmp_path: Path,
     store: Store,  # noqa: F811 - the fixture imported above
-    restart: bool,
 ) -> None:
+    """Every damage is made to a key of each of two sets: one read back by the server that
+    stored it, its L1 cleared, the other by a server started again on the store."""
     store_name, adapter, env, objects = store
     count = len(DAMAGE) + 2  # one intact key first and last
-    keys = make_keys("hostile", count)
-    payloads = make_payloads("hostile", count, CHUNK)
-    expected = digest(payloads)
+    keys = {way: make_keys(f"hostile/{way}", count) for way in WAYS_OUT_OF_L1}
+    payloads = {way: make_payloads(f"hostile/{way}", count, CHUNK) for way in WAYS_OUT_OF_L1}
     spares = make_keys("hostile-other", 1)
     spare_payload = make_payloads("hostile-other", 1, CHUNK)
-    server = start_server(tmp_path / "first", adapters=[adapter], env=env)
+    every_key = [key for way in WAYS_OUT_OF_L1 for key in keys[way]] + spares
+    every_payload = [payload for way in WAYS_OUT_OF_L1 for payload in payloads[way]] + spare_payload
+    first = server = start_server(tmp_path / "first", adapters=[adapter], env=env)
     try:
         with Client(server.url, timeout=60) as client:
-            assert client.store(keys + spares, payloads + spare_payload) == count + 1
-            wait_stored(client, count + 1)
-            other = objects.read(objects.find(spares[0]))
-            names = [objects.find(key) for key in keys]
-            for (_, damage), name in zip(DAMAGE, names[1:], strict=False):
-                objects.write(name, damage(objects.read(name), other))
-            server = out_of_l1(server, client, restart, tmp_path / "second", adapter, env)
-        with Client(server.url, timeout=60) as client:
-            assert client.status()["l1"]["objects"] == 0
-            served = damaged_served(client, keys, expected, [label for label, _ in DAMAGE], "record")
-            # A load of a key mooncake knows reads the ranges of the record it stored
-            # (docs/adapters/mooncake.md): bytes appended behind that record are not read,
-            # and the payload handed out is the stored one, verified (checked above).
-            allowed = EXTENDED if store_name == "mooncake" and not restart else set()
-            assert set(served) <= allowed, f"damaged records served: {served}"
-            backend = backend_stats(client)
-            # Read again: still misses (the bad object is gone or known to be bad).
-            again = read_each(client, keys[1:-1], expected[1:-1])
-            assert [label for (label, _), hit in zip(DAMAGE, again, strict=True) if hit] == served
-            # Stored again, each key hits with its bytes.
-            client.clear(force=True)
-            assert client.store(keys[1:-1], payloads[1:-1]) == len(DAMAGE)
-            wait_stored(client, len(DAMAGE) + (0 if restart else count + 1))
-            client.clear(force=True)
-            assert read_each(client, keys[1:-1], expected[1:-1]) == [True] * len(DAMAGE)
-        refused = sum(backend.get(name, 0) for name in REFUSAL_COUNTERS)
-        # Mooncake holds no empty object: "emptied" removed it, a plain miss
-        # (objects_vanished), no record to refuse.
-        removed = 1 if store_name == "mooncake" else 0
-        assert refused >= len(DAMAGE) - len(served) - removed, backend
-        assert exported(metrics_of(server), REFUSAL_COUNTERS) >= refused
-        # Repeated warnings are rate-limited: some damaged key is named, with its adapter.
-        log = (server.log_dir / "stderr.txt").read_text(errors="replace")
-        assert warned_about(log, keys[1:-1]), log[-4000:]
-        assert f"0:{adapter['type']}" in log or adapter["type"] in log
+            assert client.store(every_key, every_payload) == len(every_key)
+            wait_stored(client, len(every_key))
+        names = dict(zip(every_key, objects.locate(every_key), strict=True))
+        other = objects.read(names[spares[0]])
+        for way in WAYS_OUT_OF_L1:
+            for (_, damage), key in zip(DAMAGE, keys[way][1:], strict=False):
+                objects.write(names[key], damage(objects.read(names[key]), other))
+        for way, server in out_of_l1_both_ways(first, tmp_path / "second", adapter, env):
+            _damaged_read_back(server, store_name, adapter["type"], way, keys[way], payloads[way])
     finally:
         server.stop()
+
+
+def _damaged_read_back(
+    server: ServerProcess,
+    store_name: str,
+    adapter_type: str,
+    way: str,
+    keys: list[ObjectKey],
+    payloads: list[Any],
+) -> None:
+    """Read back the keys whose records between the first and the last were damaged, out of
+    L1 ``way``: misses, counted and logged, and each key stored again hits."""
+    expected = digest(payloads)
+    with Client(server.url, timeout=60) as client:
+        assert client.status()["l1"]["objects"] == 0
+        served = damaged_served(client, keys, expected, [label for label, _ in DAMAGE], "record")
+        # A load of a key mooncake knows reads the ranges of the record it stored
+        # (docs/adapters/mooncake.md): bytes appended behind that record are not read,
+        # and the payload handed out is the stored one, verified (checked above).
+        allowed = EXTENDED if store_name == "mooncake" and way == "l1-cleared" else set()
+        assert set(served) <= allowed, f"{way}: damaged records served: {served}"
+        backend = backend_stats(client)
+        # Read again: still misses (the bad object is gone or known to be bad).
+        again = read_each(client, keys[1:-1], expected[1:-1])
+        assert [label for (label, _), hit in zip(DAMAGE, again, strict=True) if hit] == served, way
+        # Stored again, each key hits with its bytes.
+        client.clear(force=True)
+        before = client.status()["adapters"][0]["keys_stored"]
+        assert client.store(keys[1:-1], payloads[1:-1]) == len(DAMAGE)
+        wait_stored(client, before + len(DAMAGE))
+        client.clear(force=True)
+        assert read_each(client, keys[1:-1], expected[1:-1]) == [True] * len(DAMAGE), way
+    refused = sum(backend.get(name, 0) for name in REFUSAL_COUNTERS)
+    # Mooncake holds no empty object: "emptied" removed it, a plain miss
+    # (objects_vanished), no record to refuse.
+    removed = 1 if store_name == "mooncake" else 0
+    assert refused >= len(DAMAGE) - len(served) - removed, (way, backend)
+    assert exported(metrics_of(server), REFUSAL_COUNTERS) >= refused, way
+    # Repeated warnings are rate-limited: some damaged key is named, with its adapter.
+    log = (server.log_dir / "stderr.txt").read_text(errors="replace")
+    assert warned_about(log, keys[1:-1]), log[-4000:]
+    assert f"0:{adapter_type}" in log or adapter_type in log
 
 
 # -- stale objects: a key stored again by another server sharing the store ------------------

@@ -22,18 +22,20 @@ import pytest
 from hostile_stores import (  # noqa: F401 - store_service: the fixture store depends on
     CHUNK,
     STORES,
+    WAYS_OUT_OF_L1,
     Store,
     backend_stats,
     flip,
     header_end,
-    out_of_l1,
+    out_of_l1_both_ways,
     store,
     store_service,
 )
 from hostile_support import read_each, wait_stored
-from tiers_e2e import digest, make_keys, make_payloads, start_server
+from tiers_e2e import ServerProcess, digest, make_keys, make_payloads, start_server
 
 from lmcache_tiers.client import Client
+from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.record import decode_header, encode_header
 
 # -- records a buggy writer could make: every field consistent, the header crc valid --------
@@ -120,46 +122,55 @@ FORGED: list[tuple[str, Callable[[bytes], bytes], bool]] = [
 ]
 
 
-@pytest.mark.parametrize("restart", [False, True], ids=["l1-cleared", "restarted"])
 def test_records_with_a_valid_header_crc_and_impossible_fields_are_misses(
     tmp_path: Path,
     store: Store,  # noqa: F811 - the fixture imported above
-    restart: bool,
 ) -> None:
+    """Every forgery is made to a key of each of two sets: one read back by the server that
+    stored it, its L1 cleared, the other by a server started again on the store."""
     _, adapter, env, objects = store
     count = len(FORGED) + 1
-    keys = make_keys("forged", count)
-    payloads = make_payloads("forged", count, CHUNK)
-    expected = digest(payloads)
-    server = start_server(tmp_path / "first", adapters=[adapter], env=env)
+    keys = {way: make_keys(f"forged/{way}", count) for way in WAYS_OUT_OF_L1}
+    payloads = {way: make_payloads(f"forged/{way}", count, CHUNK) for way in WAYS_OUT_OF_L1}
+    first = server = start_server(tmp_path / "first", adapters=[adapter], env=env)
     try:
         with Client(server.url, timeout=60) as client:
-            assert client.store(keys, payloads) == count
-            wait_stored(client, count)
-            for (_, forge, _), key in zip(FORGED, keys[1:], strict=True):
-                name = objects.find(key)
+            for way in WAYS_OUT_OF_L1:
+                assert client.store(keys[way], payloads[way]) == count
+            wait_stored(client, count * len(WAYS_OUT_OF_L1))
+        names = {way: objects.locate(keys[way]) for way in WAYS_OUT_OF_L1}
+        for way in WAYS_OUT_OF_L1:
+            for (_, forge, _), name in zip(FORGED, names[way][1:], strict=True):
                 objects.write(name, forge(objects.read(name)))
-            server = out_of_l1(server, client, restart, tmp_path / "second", adapter, env)
-        with Client(server.url, timeout=60) as client:
-            found = client.lookup(keys)
-            with client.retrieve(keys[:found]) as views:
-                assert digest(views) == expected[:found]
-            client.release(keys[:found])
-            client.clear(force=True)
-            hits = read_each(client, keys, expected)
-            assert hits[0], "an intact record was lost"
-            served = {name for (name, _, _), hit in zip(FORGED, hits[1:], strict=True) if hit}
-            allowed = {name for name, _, may in FORGED if may}
-            assert served <= allowed, f"records served: {sorted(served - allowed)}"
-            # Stored again, each key hits with its bytes.
-            client.clear(force=True)
-            before = client.status()["adapters"][0]["keys_stored"]
-            assert client.store(keys[1:], payloads[1:]) == len(FORGED)
-            wait_stored(client, before + len(FORGED) - len(served))
-            client.clear(force=True)
-            assert read_each(client, keys[1:], expected[1:]) == [True] * len(FORGED)
+        for way, server in out_of_l1_both_ways(first, tmp_path / "second", adapter, env):
+            _forged_read_back(server, way, keys[way], payloads[way])
     finally:
         server.stop()
+
+
+def _forged_read_back(server: ServerProcess, way: str, keys: list[ObjectKey], payloads: list[Any]) -> None:
+    """Read back the keys whose records after the first were forged, out of L1 ``way``:
+    misses but for the forgeries that may be served (with the stored bytes), and each key
+    stored again hits."""
+    expected = digest(payloads)
+    with Client(server.url, timeout=60) as client:
+        found = client.lookup(keys)
+        with client.retrieve(keys[:found]) as views:
+            assert digest(views) == expected[:found], way
+        client.release(keys[:found])
+        client.clear(force=True)
+        hits = read_each(client, keys, expected)
+        assert hits[0], f"{way}: an intact record was lost"
+        served = {name for (name, _, _), hit in zip(FORGED, hits[1:], strict=True) if hit}
+        allowed = {name for name, _, may in FORGED if may}
+        assert served <= allowed, f"{way}: records served: {sorted(served - allowed)}"
+        # Stored again, each key hits with its bytes.
+        client.clear(force=True)
+        before = client.status()["adapters"][0]["keys_stored"]
+        assert client.store(keys[1:], payloads[1:]) == len(FORGED)
+        wait_stored(client, before + len(FORGED) - len(served))
+        client.clear(force=True)
+        assert read_each(client, keys[1:], expected[1:]) == [True] * len(FORGED), way
 
 
 # -- serde chains: records re-signed around payloads no chain wrote --------------------------
@@ -236,7 +247,6 @@ def _compressible(tag: str, count: int) -> list[np.ndarray[Any, Any]]:
     return [words[rng.integers(0, 16, CHUNK // 8)].reshape(-1).copy() for _ in range(count)]
 
 
-@pytest.mark.parametrize("restart", [False, True], ids=["l1-cleared", "restarted"])
 # aesgcm alone is left out: in "zstd,aesgcm" it is the outer layer, the first to read a
 # forged record, exactly as alone (and each chain costs every store two server runs)
 @pytest.mark.parametrize("chain", ["zstd", "zstd,aesgcm"])
@@ -244,8 +254,9 @@ def test_records_re_signed_around_payloads_the_chain_did_not_write_are_misses(
     tmp_path: Path,
     store: Store,  # noqa: F811 - the fixture imported above
     chain: str,
-    restart: bool,
 ) -> None:
+    """Every forgery is made to a key of each of two sets: one read back by the server that
+    stored it, its L1 cleared, the other by a server started again on the store."""
     for module in ("lmcache_plugin_serde_zstd", "lmcache_plugin_serde_aesgcm"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is not installed")
@@ -260,40 +271,51 @@ def test_records_re_signed_around_payloads_the_chain_did_not_write_are_misses(
     config = {**adapter, "serde": serde}
     keyed = "aesgcm" in chain
     cases = [(name, forge) for name, forge, needs_aesgcm, _ in CHAIN_FORGED if keyed or not needs_aesgcm]
-    must_refuse = {name for name, _, _, refused in CHAIN_FORGED if refused}
     count = len(cases) + 2
-    keys = make_keys(f"chain-{chain}", count)
-    payloads = _compressible(f"chain-{chain}", count)
-    expected = digest(payloads)
-    server = start_server(tmp_path / "server", adapters=[config], env=env)
+    keys = {way: make_keys(f"chain-{chain}/{way}", count) for way in WAYS_OUT_OF_L1}
+    payloads = {way: _compressible(f"chain-{chain}/{way}", count) for way in WAYS_OUT_OF_L1}
+    first = server = start_server(tmp_path / "server", adapters=[config], env=env)
     try:
         with Client(server.url, timeout=60) as client:
-            assert client.store(keys, payloads) == count
-            wait_stored(client, count)
-            other = objects.read(objects.find(keys[-1]))
-            for (_, forge), key in zip(cases, keys[1:-1], strict=True):
-                name = objects.find(key)
+            for way in WAYS_OUT_OF_L1:
+                assert client.store(keys[way], payloads[way]) == count
+            wait_stored(client, count * len(WAYS_OUT_OF_L1))
+        names = {way: objects.locate(keys[way]) for way in WAYS_OUT_OF_L1}
+        for way in WAYS_OUT_OF_L1:
+            other = objects.read(names[way][-1])
+            for (_, forge), name in zip(cases, names[way][1:-1], strict=True):
                 objects.write(name, forge(objects.read(name), other))
-            server = out_of_l1(server, client, restart, tmp_path / "second", config, env)
-        with Client(server.url, timeout=60) as client:
-            hits = read_each(client, keys, expected)
-            assert hits[0] and hits[-1], "an intact record was lost"
-            served = [name for (name, _), hit in zip(cases, hits[1:-1], strict=True) if hit]
-            # Every hit had the stored bytes (checked above).  A load of a key the server
-            # accounts decodes into a buffer of the size it accounts, reading no L1 size
-            # from the header; s3 takes it from the header copy in the object's metadata,
-            # redis keeps headers unpadded: such records decode to the stored bytes.
-            assert not set(served) & must_refuse, f"records served: {served}"
-            backend = backend_stats(client)
-            assert sum(backend.get(name, 0) for name in CHAIN_REFUSALS) > 0, backend
-            client.clear(force=True)
-            before = client.status()["adapters"][0]["keys_stored"]
-            assert client.store(keys[1:-1], payloads[1:-1]) == len(cases)
-            wait_stored(client, before + len(cases))
-            client.clear(force=True)
-            assert read_each(client, keys[1:-1], expected[1:-1]) == [True] * len(cases)
+        for way, server in out_of_l1_both_ways(first, tmp_path / "second", config, env):
+            _re_signed_read_back(server, way, [name for name, _ in cases], keys[way], payloads[way])
     finally:
         server.stop()
+
+
+def _re_signed_read_back(
+    server: ServerProcess, way: str, cases: list[str], keys: list[ObjectKey], payloads: list[Any]
+) -> None:
+    """Read back the keys whose records between the first and the last were forged (one
+    of ``cases`` each), out of L1 ``way``: misses but for the forgeries that decode to the
+    stored bytes, counted, and each key stored again hits."""
+    must_refuse = {name for name, _, _, refused in CHAIN_FORGED if refused}
+    expected = digest(payloads)
+    with Client(server.url, timeout=60) as client:
+        hits = read_each(client, keys, expected)
+        assert hits[0] and hits[-1], f"{way}: an intact record was lost"
+        served = [name for name, hit in zip(cases, hits[1:-1], strict=True) if hit]
+        # Every hit had the stored bytes (checked above).  A load of a key the server
+        # accounts decodes into a buffer of the size it accounts, reading no L1 size
+        # from the header; s3 takes it from the header copy in the object's metadata,
+        # redis keeps headers unpadded: such records decode to the stored bytes.
+        assert not set(served) & must_refuse, f"{way}: records served: {served}"
+        backend = backend_stats(client)
+        assert sum(backend.get(name, 0) for name in CHAIN_REFUSALS) > 0, (way, backend)
+        client.clear(force=True)
+        before = client.status()["adapters"][0]["keys_stored"]
+        assert client.store(keys[1:-1], payloads[1:-1]) == len(cases)
+        wait_stored(client, before + len(cases))
+        client.clear(force=True)
+        assert read_each(client, keys[1:-1], expected[1:-1]) == [True] * len(cases), way
 
 
 @pytest.mark.parametrize("kind", ["fs", "nixl"])
