@@ -37,12 +37,16 @@ class LazyKeys(Sequence[ObjectKey]):
         pieces: Sequence[bytes],
         first: ObjectKey,
         decode_all: Callable[[Sequence[bytes]], list[ObjectKey]],
+        *,
+        distinct: bool | None = None,
     ) -> None:
+        """``distinct``: whether no key is repeated, when the caller knows already (None:
+        worked out when asked)."""
         self._pieces = pieces
         self._first = first
         self._decode_all = decode_all
         self._decoded: list[ObjectKey] | None = None
-        self._distinct: bool | None = None  # all_distinct's answer, once asked
+        self._distinct = distinct  # all_distinct's answer, once asked or told
 
     def __len__(self) -> int:
         return len(self._pieces)
