@@ -30,6 +30,7 @@ from lmcache_tiers.peer_process import (
     watch_peer_socket,
 )
 from lmcache_tiers.peer_scan import ConnectionPeers, PeerWatch
+from lmcache_tiers.testing.children import ended_at_exit
 
 #: connects to 127.0.0.1:argv[1], says so; "close" as argv[2] then closes the socket
 #: and says so; then waits to be killed
@@ -52,13 +53,8 @@ def listener() -> Iterator[socket.socket]:
 
 @pytest.fixture
 def processes() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for process in started:
-        process.kill()
-        process.wait()
-        if process.stdout is not None:
-            process.stdout.close()
+    with ended_at_exit() as started:
+        yield started
 
 
 def connect(

@@ -24,9 +24,11 @@ import pytest
 from native_fence_support import CHUNK, SHORT_TTL
 from native_keys import leases_of
 from native_stop import wait_for
-from test_writer_kernel_pid import end, says, start, sweeps_after_now
+from test_writer_kernel_pid import sweeps_after_now
 
 from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.testing.children import end, ended_at_exit, says
+from lmcache_tiers.testing.children import start_script as start
 
 #: the thread scanning for clients' processes, off the loop thread
 SCAN_WORKER = "tiers-native-peer-scan"
@@ -84,10 +86,8 @@ def stack() -> Iterator[ExitStack]:
 
 @pytest.fixture
 def processes() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for process in started:
-        end(process)
+    with ended_at_exit() as started:
+        yield started
 
 
 def test_a_client_killed_before_its_lookup_has_its_fence_lifted(

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,23 +34,7 @@ from native_stop import wait_for
 from lmcache_tiers.peer_process import PeerSocket
 from lmcache_tiers.peer_scan import PeerWatch
 from lmcache_tiers.server.app import TiersServer
-
-#: relays every connection to 127.0.0.1:argv[1] from a port of its own, which it prints
-RELAY = """
-import socket, sys, threading
-target = int(sys.argv[1])
-listener = socket.create_server(("127.0.0.1", 0))
-print(listener.getsockname()[1], flush=True)
-def pump(source, sink):
-    while data := source.recv(65536):
-        sink.sendall(data)
-    sink.shutdown(socket.SHUT_WR)
-while True:
-    near, _ = listener.accept()
-    far = socket.create_connection(("127.0.0.1", target))
-    for a, b in ((near, far), (far, near)):
-        threading.Thread(target=pump, args=(a, b), daemon=True).start()
-"""
+from lmcache_tiers.testing.children import TCP_RELAY, end, ended_at_exit, line_of, start_script, tell
 
 #: what both client processes share: the arena mapped, requests over a raw socket
 CLIENT = """
@@ -123,39 +106,10 @@ sys.stdin.read()
 )
 
 
-def start(argv: list[str], started: list[subprocess.Popen[str]]) -> subprocess.Popen[str]:
-    process = subprocess.Popen(
-        [sys.executable, "-c", *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    started.append(process)
-    return process
-
-
-def line_of(process: subprocess.Popen[str]) -> str:
-    assert process.stdout is not None
-    return process.stdout.readline().strip()
-
-
-def tell(process: subprocess.Popen[str], word: str) -> None:
-    assert process.stdin is not None
-    process.stdin.write(word + "\n")
-    process.stdin.flush()
-
-
-def end(process: subprocess.Popen[str]) -> None:
-    process.kill()
-    process.wait()
-    for stream in (process.stdin, process.stdout):
-        if stream is not None:
-            stream.close()
-
-
 @pytest.fixture
 def processes() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for process in started:
-        end(process)
+    with ended_at_exit() as started:
+        yield started
 
 
 def native(server: TiersServer) -> Any:
@@ -213,16 +167,16 @@ def writer_fenced_then_dropped(
 ) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
     """The writer, reserved through the relay then dropped (alive), and the newcomer
     greeted under its identity, told ``mode``; the writer's reservation fenced."""
-    relay = start([RELAY, server.endpoint.rsplit(":", 1)[1]], processes)
+    relay = start_script(TCP_RELAY, server.endpoint.rsplit(":", 1)[1], started=processes)
     relayed = f"tcp://127.0.0.1:{line_of(relay)}"
     identity, name = (b"W" + os.urandom(7)).hex(), os.urandom(8).hex()
     arena = arena_path(server)
-    writer = start([WRITER, relayed, arena, identity, name, str(CHUNK)], processes)
+    writer = start_script(WRITER, relayed, arena, identity, name, str(CHUNK), started=processes)
     assert line_of(writer) == "reserved"
     wait_for(lambda: found_not_writer(server, bytes.fromhex(identity)), "the relay found, not the writer")
     tell(writer, "drop")
     assert line_of(writer) == "dropped"
-    newcomer = start([NEWCOMER, server.endpoint, arena, identity, name], processes)
+    newcomer = start_script(NEWCOMER, server.endpoint, arena, identity, name, started=processes)
     assert line_of(newcomer) == "greeted"
     wait_for(lambda: fenced(server) == 1, "the expired reservation fenced")
     tell(newcomer, mode)
@@ -291,7 +245,7 @@ def behind_a_relay() -> PeerWatch:
 
 
 def mapping(arena: str, processes: list[subprocess.Popen[str]]) -> subprocess.Popen[str]:
-    process = start([MAPPER, arena], processes)
+    process = start_script(MAPPER, arena, started=processes)
     assert line_of(process) == "mapped"
     return process
 

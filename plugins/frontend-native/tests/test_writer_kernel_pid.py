@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +24,8 @@ from native_stop import wait_for
 from lmcache_tiers.client import Client
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.testing.children import end, ended_at_exit, says
+from lmcache_tiers.testing.children import start_script as start
 
 #: greets the server as pid argv[3], reserves one chunk, then stalls until killed
 LYING_WRITER = """
@@ -51,31 +52,10 @@ sys.stdin.read()
 """
 
 
-def start(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-c", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-
-
-def says(process: subprocess.Popen[str], word: str) -> None:
-    assert process.stdout is not None
-    assert process.stdout.readline().strip() == word
-
-
-def end(process: subprocess.Popen[str]) -> None:
-    process.kill()
-    process.wait()
-    for stream in (process.stdin, process.stdout):
-        if stream is not None:
-            stream.close()
-
-
 @pytest.fixture
 def processes() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for process in started:
-        end(process)
+    with ended_at_exit() as started:
+        yield started
 
 
 def arena_path(server: TiersServer) -> str:

@@ -21,23 +21,7 @@ from mpclient import wait_for
 from writer_processes import STALLED_WRITER, fenced_extents, transfers_of
 
 from lmcache_tiers.server.app import TiersServer
-
-#: relays every connection to 127.0.0.1:argv[1] from a port of its own, which it prints
-RELAY = """
-import socket, sys, threading
-target = int(sys.argv[1])
-listener = socket.create_server(("127.0.0.1", 0))
-print(listener.getsockname()[1], flush=True)
-def pump(source, sink):
-    while data := source.recv(65536):
-        sink.sendall(data)
-    sink.shutdown(socket.SHUT_WR)
-while True:
-    near, _ = listener.accept()
-    far = socket.create_connection(("127.0.0.1", target))
-    for a, b in ((near, far), (far, near)):
-        threading.Thread(target=pump, args=(a, b), daemon=True).start()
-"""
+from lmcache_tiers.testing.children import TCP_RELAY, line_of, start_script
 
 SHORT_TTL: dict[str, Any] = {"l1_write_ttl_s": 1.0, "l1_lock_ttl_s": 1.0}
 
@@ -46,11 +30,6 @@ def start(argv: list[str], started: list[subprocess.Popen[str]]) -> subprocess.P
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     started.append(process)
     return process
-
-
-def line_of(process: subprocess.Popen[str]) -> str:
-    assert process.stdout is not None
-    return process.stdout.readline().strip()
 
 
 def sweeps_counted(server: TiersServer, monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -72,7 +51,7 @@ def test_the_exit_of_a_relay_does_not_lift_the_fence_of_the_client_behind_it(
 ) -> None:
     server: TiersServer = make_mp_server(**SHORT_TTL, host="127.0.0.1")
     address = next(f.address for f in server.frontends if f.name.endswith(":lmcache_mp"))
-    relay = start([sys.executable, "-c", RELAY, str(address).rsplit(":", 1)[1]], writers)
+    relay = start_script(TCP_RELAY, str(address).rsplit(":", 1)[1], started=writers)
     relayed = f"tcp://127.0.0.1:{line_of(relay)}"
     writer = start([sys.executable, str(STALLED_WRITER), relayed, "1000", "1"], writers)
     assert line_of(writer) == "prepared 1"
