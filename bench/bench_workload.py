@@ -4,12 +4,14 @@ Requests of ``--tokens`` tokens in chunks of ``--chunk-tokens`` (one object each
 ``--bytes-per-token`` KV bytes per token with the bfloat16 layout
 ``[2, layers, chunk_tokens, heads, head_dim]``), by default LMCache's ``lmcache bench
 server --mode cpu`` sizes: 8 requests of 512 tokens, 32 MiB each in 4 chunks of 8 MiB.
-Each request is stored, looked up and retrieved (into pre-faulted buffers), one after the
-other, ``--rounds`` times with new keys; the p50/p99 of each operation are over every
-request, next to a memcpy of one request's bytes between pre-faulted buffers measured in
-the same run (and, as "cold memcpy", the same copy into targets out of cache, as a
-store's copy into an extent of the arena is: the memcpy figure reuses one set of targets,
-which stay cached).  Scenarios (``--scenarios``):
+Each request is stored, looked up and retrieved (into pre-faulted buffers, wiped before
+and compared with the stored bytes after, both untimed), one after the other,
+``--rounds`` times with new keys; the p50/p99 of each operation are over every request
+(``--requests`` x ``--rounds`` samples: 96 by default, whose p99 is the second slowest),
+next to a memcpy of one request's bytes between pre-faulted buffers measured in the same
+run (and, as "cold memcpy", the same copy into targets out of cache, as a store's copy
+into an extent of the arena is: the memcpy figure reuses one set of targets, which stay
+cached).  Scenarios (``--scenarios``):
 
 * ``warm``   -- one client for every request, L1 only;
 * ``fresh``  -- a new client per request (connect, store, lookup, retrieve, close), L1
@@ -270,6 +272,10 @@ def _run_scenario(
                     ObjectKey("bench-workload", 0, f"{round_index}-{request}-{chunk}".encode(), 0, salt)
                     for chunk in range(shape.chunks)
                 ]
+                # Wiped (untimed) so that the byte check below is of this retrieve: every
+                # request stores the same bytes, and the floor copies them into these buffers.
+                for target in targets:
+                    target.fill(0)
                 began = time.perf_counter()
                 client = Client(url, timeout=60, name="bench-fresh") if fresh else keeper
                 connected = time.perf_counter()
