@@ -72,3 +72,113 @@ def test_a_workload_retrieve_that_writes_nothing_after_the_first_stops_the_run(m
     shape = bench_workload.Shape(requests=3, tokens=32, chunk_tokens=16, bytes_per_token=64)
     with pytest.raises(SystemExit, match="retrieved bytes differ"):
         bench_workload._run_scenario("warm", shape, 1, "fs", "tcp", False, None, None, CopyingFloor())
+
+
+# -- bench_mooncake ---------------------------------------------------------------------------
+
+SIZE = 4096
+COUNT = 4
+
+
+class MooncakeDirect:
+    """Mooncake's client, as bench_mooncake's ``Direct`` drives it: its reads write the
+    stored bytes."""
+
+    def __init__(self, src: memoryview, dst: memoryview) -> None:
+        self.src, self.dst = src, dst
+
+    def get_batch(self, names: list[str], size: int) -> None:
+        self.dst[:] = self.src
+
+    def get_one(self, name: str, index: int, size: int) -> None:
+        self.dst[index * size : (index + 1) * size] = self.src[index * size : (index + 1) * size]
+
+    def exists_and_get(self, names: list[str], size: int) -> None:
+        self.get_batch(names, size)
+
+    def put_batch(self, names: list[str], size: int) -> None:
+        pass
+
+    def put_records(self, names: list[str], size: int) -> None:
+        pass
+
+    def get_records(self, names: list[str], size: int) -> None:
+        pass
+
+    def put_one(self, name: str, index: int, size: int) -> None:
+        pass
+
+    def exists(self, names: list[str]) -> None:
+        pass
+
+    def remove(self, names: list[str]) -> None:
+        pass
+
+
+class SilentAdapter:
+    """An adapter whose loads report success and write nothing."""
+
+    def __init__(self) -> None:
+        outer = self
+
+        class Found:
+            def __init__(self, count: int) -> None:
+                self.found = [True] * count
+
+        class BlockingClient:
+            def lookup_and_lock(self, keys: list) -> Found:
+                return Found(len(keys))
+
+            def store(self, keys: list, views: list) -> list[bool]:
+                return [True] * len(keys)
+
+            def load(self, keys: list, views: list) -> list[bool]:
+                return [True] * len(keys)
+
+        self.client = BlockingClient()
+        self.adapter = outer
+
+    def store(self, keys: list, views: list) -> None:
+        pass
+
+    def load(self, keys: list, views: list) -> None:
+        pass
+
+    def load_only(self, keys: list, views: list) -> None:
+        pass
+
+    def lookup(self, keys: list) -> None:
+        pass
+
+    def unlock(self, keys: list) -> None:
+        pass
+
+    def delete(self, keys: list) -> None:
+        pass
+
+
+def mooncake_buffers() -> tuple[memoryview, memoryview]:
+    src = memoryview(bytearray(np.random.default_rng(3).integers(0, 256, COUNT * SIZE, dtype=np.uint8)))
+    return src, memoryview(bytearray(COUNT * SIZE))
+
+
+@pytest.mark.parametrize("tag", ["r0", "r1"])  # the client first, then the adapter first
+def test_a_mooncake_batch_load_that_writes_nothing_stops_the_run(tag: str) -> None:
+    """The destination was never wiped between the methods: the client's read left the
+    stored bytes there, and the one check, after both, passed an adapter load that wrote
+    nothing."""
+    pytest.importorskip("lmcache_plugin_mooncake")
+    bench_mooncake = load_bench("bench_mooncake")
+    src, dst = mooncake_buffers()
+    direct = MooncakeDirect(src, dst)
+    with pytest.raises(SystemExit, match="adapter"):
+        bench_mooncake.batch_round(tag, direct, SilentAdapter(), src, dst, SIZE, COUNT)
+
+
+def test_a_mooncake_single_object_load_that_writes_nothing_stops_the_run() -> None:
+    """The per-object loads were not checked at all."""
+    pytest.importorskip("lmcache_plugin_mooncake")
+    bench_mooncake = load_bench("bench_mooncake")
+    src, dst = mooncake_buffers()
+    with pytest.raises(SystemExit, match="adapter"):
+        bench_mooncake.latency_round("r0", MooncakeDirect(src, dst), SilentAdapter(), src, dst, SIZE, COUNT)
