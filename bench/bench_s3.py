@@ -1,7 +1,8 @@
 """Store and load through the ``s3`` adapter next to s3fs doing direct put/get of the same bytes.
 
 One S3 server (SeaweedFS ``weed mini`` on loopback, started here unless ``--endpoint`` is
-given), one case (default 256 x 1 MiB), two methods run interleaved, round by round:
+given), one case (default 256 x 1 MiB), two methods run interleaved, round by round, after an
+untimed round of both (a fresh server's first writes are slow):
 
 * ``s3fs direct`` -- the store's own client: ``_pipe_file`` / ``_cat_file`` of each object,
   all in flight at once (at most ``--inflight``), built with the adapter's client settings
@@ -13,7 +14,9 @@ given), one case (default 256 x 1 MiB), two methods run interleaved, round by ro
 Throughput: GB/s of payload for the whole batch, median of ``--repeat`` rounds, with the
 adapter's ratio to the direct client (target >= 0.8; a ratio is the median of per-round
 ratios, which cancels most of a shared machine's drift).  Latency: one object at a time,
-``--latency-objects`` of them, p50 / p99 in ms for put/store and get/load; the adapter's
+``--latency-objects`` of them (who goes first alternating; a p99 of the default 128 samples
+is the second slowest), p50 / p99 in ms for put/store and get/load, every result and every
+loaded byte checked (untimed); the adapter's
 lookup (a HEAD: the header copy in the object's metadata, decoded and checked) is shown
 next to a bare ``head_object`` call of the same client.
 The server shares the machine's cores with the client, so on a small machine the figures
@@ -271,6 +274,16 @@ def run_case(count: int, size: int, args: argparse.Namespace, config: S3Config) 
     total = count * size
     runs: dict[str, dict[str, list[float]]] = {"s3fs direct": {}, "s3 adapter": {}}
     try:
+        # An untimed round of both methods first: a fresh server's first writes (its
+        # volumes growing) ran several times slower than later ones, and fell on whichever
+        # method went first in the first round.
+        warm_names, warm_keys = [f"warm-up-{i}" for i in range(count)], keys_for("warm-up", count)
+        direct.put_all(warm_names, arena.sources)
+        direct.get_all(warm_names, arena.targets)
+        checked("store", client.store, warm_keys, arena.sources)
+        checked("load", client.load, warm_keys, arena.targets)
+        direct.delete_all(warm_names)
+        adapter.delete(warm_keys)
         for round_index in range(args.repeat):
             names = [f"r{round_index}-{i}" for i in range(count)]
             keys = keys_for(f"r{round_index}", count)
@@ -325,7 +338,11 @@ def run_case(count: int, size: int, args: argparse.Namespace, config: S3Config) 
 def measure_latency(
     direct: Direct, adapter: L2Adapter, client: BlockingAdapterClient, arena: Arena, objects: int
 ) -> dict[str, dict[str, tuple[float, float]]]:
-    """One object at a time: what a single chunk's round trip costs each way."""
+    """One object at a time: what a single chunk's round trip costs each way.  Who goes
+    first alternates from object to object (the second finds the server and the CPU's
+    caches as the first left them); every adapter call's result is checked, and every
+    load writes into a target wiped before it and compared with the stored bytes after
+    (untimed), so that a failed call is never timed as a fast one."""
     samples: dict[str, dict[str, list[float]]] = {
         "s3fs direct": {"store": [], "load": [], "lookup": []},
         "s3 adapter": {"store": [], "load": [], "lookup": []},
@@ -334,16 +351,41 @@ def measure_latency(
     names = [f"lat-{i}" for i in range(count)]
     keys = keys_for("lat", count)
     mine, theirs = samples["s3 adapter"], samples["s3fs direct"]
-    for name, key, source, target in zip(
-        names, keys, arena.sources[:count], arena.targets[:count], strict=True
+
+    def adapter_lookup(key: ObjectKey) -> None:
+        if not all(client.lookup_and_lock([key]).found):
+            raise SystemExit("adapter lookup missed an object it had stored")
+
+    for index, (name, key, source, target) in enumerate(
+        zip(names, keys, arena.sources[:count], arena.targets[:count], strict=True)
     ):
-        theirs["store"].append(timed(direct.put_all, [name], [source]))
-        mine["store"].append(timed(client.store, [key], [source]))
-        theirs["lookup"].append(timed(direct.head, name))
-        mine["lookup"].append(timed(client.lookup_and_lock, [key]))
-        theirs["load"].append(timed(direct.get_all, [name], [target]))
-        mine["load"].append(timed(client.load, [key], [target]))
-        adapter.unlock([key])
+        sides = [
+            (
+                theirs,
+                partial(direct.put_all, [name], [source]),
+                partial(direct.head, name),
+                partial(direct.get_all, [name], [target]),
+            ),
+            (
+                mine,
+                partial(checked, "store", client.store, [key], [source]),
+                partial(adapter_lookup, key),
+                partial(checked, "load", client.load, [key], [target]),
+            ),
+        ]
+        for side, store, lookup, load in sides if index % 2 == 0 else sides[::-1]:
+            side["store"].append(timed(store))
+            side["lookup"].append(timed(lookup))
+            target[:] = bytes(len(target))
+            try:
+                side["load"].append(timed(load))
+            finally:
+                if side is mine:
+                    adapter.unlock([key])
+            if target != source:
+                raise SystemExit(
+                    f"{'adapter' if side is mine else 's3fs'} loaded other bytes than were stored"
+                )
     direct.delete_all(names)
     adapter.delete(keys)
     return {
