@@ -377,6 +377,8 @@ def bare_requests(
                         sides = ((sock, served), (echo, echoed))
                         for socket, samples in sides if number % 2 else sides[::-1]:
                             samples[request].extend(echo_round_trips(socket, request, per_round)[1])
+                    sock.send(lookup)
+                    check_bare_lookup(sock.recv(), lookup_keys)
                     sock.send(p.encode(p.Release(3, "", keys)))  # this socket's lookups locked them
                     sock.recv()
         finally:
@@ -389,6 +391,19 @@ def bare_requests(
         statistics.median(echoed[ping]),
         statistics.median(echoed[lookup]),
     )
+
+
+def check_bare_lookup(reply: bytes, count: int) -> None:
+    """Stop the run unless ``reply`` is a LOOKUP reply finding all ``count`` keys: the bare
+    rounds do not decode their replies, and an error reply (a request the server refuses)
+    comes back faster than a lookup, so one such request, untimed, follows every round."""
+    decoded = p.reply_decoder.decode(reply)
+    if (
+        not isinstance(decoded, p.LookupReply)
+        or decoded.code != p.ErrorCode.OK.value
+        or decoded.hits != count
+    ):
+        raise SystemExit(f"a bare LOOKUP of {count} keys stored in L1 was answered {decoded!r}")
 
 
 def placed(placement: tuple[int, int] | None) -> str:
@@ -556,8 +571,11 @@ def main() -> None:
         if args.long_lookup_keys > args.lookup_keys:
             long_keys = args.long_lookup_keys
             short_p50, long_p50 = lookup_p50s(url, args.lookup_keys, long_keys, args.lookup_requests)
+            # Both echo ends with the keys of lookup_p50s, one right after the other: the
+            # floor's per-key cost is of the same key bytes, taken under the same load.
+            echo_short = measure_floor(transport, slope_keys(args.lookup_keys))
             echo_long = measure_floor(transport, slope_keys(args.long_lookup_keys))
-            slope = (short_p50, long_p50, min(floor_before[1], floor_after[1]), echo_long[1])
+            slope = (short_p50, long_p50, echo_short[1], echo_long[1])
             distinct_slope = lookup_p50s(
                 url, args.lookup_keys, long_keys, args.lookup_requests, distinct=True
             )

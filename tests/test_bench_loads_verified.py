@@ -312,3 +312,21 @@ def test_both_s3_methods_store_before_the_first_timed_round(monkeypatch) -> None
     bench_s3.run_case(2, SIZE, Args(), None)
     first_timed = calls.index("timed")
     assert {"direct store", "adapter store"} <= set(calls[:first_timed]), calls
+
+
+# -- bench_server -----------------------------------------------------------------------------
+
+
+def test_a_bare_lookup_answered_with_an_error_or_misses_stops_the_run() -> None:
+    """bench_server's bare DEALER rounds timed the server's replies without decoding them:
+    a LOOKUP the server refused (an error reply, faster than a lookup) was timed as the
+    server's share of a round trip."""
+    from lmcache_tiers.wire import protocol as p
+
+    bench_server = load_bench("bench_server")
+    refused = p.encode(p.ErrorReply(2, p.ErrorCode.MALFORMED.value, "no"))
+    with pytest.raises(SystemExit, match="answered"):
+        bench_server.check_bare_lookup(refused, 16)
+    with pytest.raises(SystemExit, match="answered"):
+        bench_server.check_bare_lookup(p.encode(p.LookupReply(2, handle=1, hits=3)), 16)
+    bench_server.check_bare_lookup(p.encode(p.LookupReply(2, handle=1, hits=16)), 16)
