@@ -354,7 +354,8 @@ def run_case(case: Case, root: str, args: argparse.Namespace) -> list[Result]:
             load_average=load_average,
         )
         if method.baseline:
-            # Ratios are taken round by round (baseline and adapter ran back to back) and
+            # Ratios are taken round by round (baseline and adapter ran in the same round,
+            # the baseline first: every round runs the methods in one fixed order) and
             # then the median, which cancels most of a shared machine's drift.
             base = next(m for m in methods if m.name == method.baseline)
             result.baseline = base.name
