@@ -20,8 +20,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from native_fence_support import SHORT_TTL
 from native_keys import leases_of
 from native_stop import wait_for
-from test_writer_kernel_pid import MAPPER, arena_path, end, says, start
+from test_writer_kernel_pid import arena_path
 
+from lmcache_tiers.testing.children import FILE_MAPPER, end, says
+from lmcache_tiers.testing.children import start_script as start
 from lmcache_tiers.testing.server import ServerHarness
 
 
@@ -30,7 +32,7 @@ def main() -> None:
     server = harness.make(host=f"ipc://{sys.argv[1]}", **SHORT_TTL)
     named: subprocess.Popen[str] | None = None
     try:
-        named = start(MAPPER, arena_path(server))
+        named = start(FILE_MAPPER, arena_path(server))
         says(named, "mapped")
         print(server.endpoint, named.pid, flush=True)
         sys.stdin.readline()  # the client reserved

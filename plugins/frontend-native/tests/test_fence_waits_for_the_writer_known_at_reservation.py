@@ -34,7 +34,15 @@ from native_stop import wait_for
 from lmcache_tiers.peer_process import PeerSocket
 from lmcache_tiers.peer_scan import PeerWatch
 from lmcache_tiers.server.app import TiersServer
-from lmcache_tiers.testing.children import TCP_RELAY, end, ended_at_exit, line_of, start_script, tell
+from lmcache_tiers.testing.children import (
+    FILE_MAPPER,
+    TCP_RELAY,
+    end,
+    ended_at_exit,
+    line_of,
+    start_script,
+    tell,
+)
 
 #: what both client processes share: the arena mapped, requests over a raw socket
 CLIENT = """
@@ -216,16 +224,6 @@ def test_a_commit_of_a_process_greeting_under_the_writers_identity_later_leaves_
     assert stats_of(server).store_keys_refused["reservation_lost"] == 1
 
 
-#: maps the file argv[1] (an arena), says so, then waits to be killed
-MAPPER = """
-import mmap, sys
-with open(sys.argv[1], "r+b") as f:
-    mapped = mmap.mmap(f.fileno(), 4096)
-print("mapped", flush=True)
-sys.stdin.read()
-"""
-
-
 @pytest.fixture
 def arena() -> Iterator[str]:
     """A file in /dev/shm, as the server's arena is (its device and inode what the maps
@@ -245,7 +243,7 @@ def behind_a_relay() -> PeerWatch:
 
 
 def mapping(arena: str, processes: list[subprocess.Popen[str]]) -> subprocess.Popen[str]:
-    process = start_script(MAPPER, arena, started=processes)
+    process = start_script(FILE_MAPPER, arena, started=processes)
     assert line_of(process) == "mapped"
     return process
 

@@ -22,9 +22,11 @@ from pathlib import Path
 import pytest
 from lmcache_plugin_frontend_native.writers import WriterProcesses
 from native_fence_support import CHUNK
-from test_writer_kernel_pid import LYING_WRITER, MAPPER, end, says, start
+from test_writer_kernel_pid import LYING_WRITER
 
 from lmcache_tiers.plugin import PeerSocket, PeerWatch
+from lmcache_tiers.testing.children import FILE_MAPPER, end, says
+from lmcache_tiers.testing.children import start_script as start
 
 SERVER = Path(__file__).with_name("foreign_namespace_server.py")
 
@@ -80,7 +82,7 @@ def test_the_hello_pid_of_a_peer_off_loopback_is_never_watched(tmp_path: Path) -
     arena.write_bytes(bytes(4096))
     info = os.stat(arena)
     writers = WriterProcesses(info.st_dev, info.st_ino, lambda identity: True)
-    named = start(MAPPER, str(arena))
+    named = start(FILE_MAPPER, str(arena))
     try:
         says(named, "mapped")
         writers.hello(b"remote", named.pid)

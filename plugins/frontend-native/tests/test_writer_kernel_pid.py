@@ -24,7 +24,7 @@ from native_stop import wait_for
 from lmcache_tiers.client import Client
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.server.app import TiersServer
-from lmcache_tiers.testing.children import end, ended_at_exit, says
+from lmcache_tiers.testing.children import FILE_MAPPER, end, ended_at_exit, says
 from lmcache_tiers.testing.children import start_script as start
 
 #: greets the server as pid argv[3], reserves one chunk, then stalls until killed
@@ -39,15 +39,6 @@ client._call(p.Hello(0, "", p.PROTOCOL_VERSION, "liar", int(sys.argv[3])), p.Hel
 key = ObjectKey("kernel-pid", 0, b"liar0000")
 client._call(p.StoreReserve(0, "", [key], [int(sys.argv[2])]), p.StoreReserveReply)
 print("reserved", flush=True)
-sys.stdin.read()
-"""
-
-#: maps the file argv[1] (the arena), says so, then waits to be killed
-MAPPER = """
-import mmap, sys
-with open(sys.argv[1], "r+b") as f:
-    mapped = mmap.mmap(f.fileno(), 4096)
-print("mapped", flush=True)
 sys.stdin.read()
 """
 
@@ -93,7 +84,7 @@ def test_the_exit_of_the_process_a_hello_names_leaves_the_fence_of_the_real_writ
     make_server: Any, processes: list[subprocess.Popen[str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     server = make_server(**SHORT_TTL)
-    named = start(MAPPER, arena_path(server))  # maps the arena, as a client would
+    named = start(FILE_MAPPER, arena_path(server))  # maps the arena, as a client would
     processes.append(named)
     says(named, "mapped")
     writer = reserve_as(server, named.pid, processes)

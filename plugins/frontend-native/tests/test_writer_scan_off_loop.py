@@ -22,21 +22,19 @@ from native_fence_support import SHORT_TTL
 from native_keys import leases_of
 from native_stop import wait_for
 from test_writer_kernel_pid import (
-    MAPPER,
     arena_path,
-    end,
     fenced,
     older_client_stores_across_a_drop,
     processes,  # noqa: F401 - the writer processes' fixture
     reserve_as,
-    says,
-    start,
     sweeps_after_now,
 )
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.plugin import PeerProcess, PeerSocket
 from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.testing.children import FILE_MAPPER, end, says
+from lmcache_tiers.testing.children import start_script as start
 from lmcache_tiers.testing.peer_scans import GATE_S, GatedScanner
 
 
@@ -95,7 +93,7 @@ def test_a_failed_lookup_is_counted_and_the_hello_pid_stands_in(
         raise OSError("no /proc")
 
     writers_of(server).scan = failing
-    named = start(MAPPER, arena_path(server))  # maps the arena, as a client would
+    named = start(FILE_MAPPER, arena_path(server))  # maps the arena, as a client would
     processes.append(named)
     says(named, "mapped")
     writer = reserve_as(server, named.pid, processes)

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["TCP_RELAY", "end", "ended_at_exit", "line_of", "says", "start_script", "tell"]
+__all__ = ["FILE_MAPPER", "TCP_RELAY", "end", "ended_at_exit", "line_of", "says", "start_script", "tell"]
 
 #: relays every connection to 127.0.0.1:argv[1] from a port of its own, which it prints:
 #: the server sees the relay's socket, never the client behind it (its process unnamed)
@@ -27,6 +27,16 @@ while True:
     far = socket.create_connection(("127.0.0.1", target))
     for a, b in ((near, far), (far, near)):
         threading.Thread(target=pump, args=(a, b), daemon=True).start()
+"""
+
+#: maps the file argv[1] (a server's arena, say) as a client does, says "mapped", then waits
+#: for its stdin to end (``start_script`` pipes it) or to be killed
+FILE_MAPPER = """
+import mmap, sys
+with open(sys.argv[1], "r+b") as f:
+    mapped = mmap.mmap(f.fileno(), 4096)
+print("mapped", flush=True)
+sys.stdin.read()
 """
 
 
