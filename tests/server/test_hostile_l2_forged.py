@@ -122,6 +122,19 @@ FORGED: list[tuple[str, Callable[[bytes], bytes], bool]] = [
 ]
 
 
+def store_both_ways(
+    server: ServerProcess, keys: dict[str, list[ObjectKey]], payloads: dict[str, list[Any]], objects: Any
+) -> dict[str, list[str]]:
+    """Store each way's keys through ``server``, wait until L2 holds them all, and return
+    each way's object names (in key order) to forge."""
+    count = len(next(iter(keys.values())))
+    with Client(server.url, timeout=60) as client:
+        for way in WAYS_OUT_OF_L1:
+            assert client.store(keys[way], payloads[way]) == count
+        wait_stored(client, count * len(WAYS_OUT_OF_L1))
+    return {way: objects.locate(keys[way]) for way in WAYS_OUT_OF_L1}
+
+
 def test_records_with_a_valid_header_crc_and_impossible_fields_are_misses(
     tmp_path: Path,
     store: Store,  # noqa: F811 - the fixture imported above
@@ -134,11 +147,7 @@ def test_records_with_a_valid_header_crc_and_impossible_fields_are_misses(
     payloads = {way: make_payloads(f"forged/{way}", count, CHUNK) for way in WAYS_OUT_OF_L1}
     first = server = start_server(tmp_path / "first", adapters=[adapter], env=env)
     try:
-        with Client(server.url, timeout=60) as client:
-            for way in WAYS_OUT_OF_L1:
-                assert client.store(keys[way], payloads[way]) == count
-            wait_stored(client, count * len(WAYS_OUT_OF_L1))
-        names = {way: objects.locate(keys[way]) for way in WAYS_OUT_OF_L1}
+        names = store_both_ways(server, keys, payloads, objects)
         for way in WAYS_OUT_OF_L1:
             for (_, forge, _), name in zip(FORGED, names[way][1:], strict=True):
                 objects.write(name, forge(objects.read(name)))
@@ -276,11 +285,7 @@ def test_records_re_signed_around_payloads_the_chain_did_not_write_are_misses(
     payloads = {way: _compressible(f"chain-{chain}/{way}", count) for way in WAYS_OUT_OF_L1}
     first = server = start_server(tmp_path / "server", adapters=[config], env=env)
     try:
-        with Client(server.url, timeout=60) as client:
-            for way in WAYS_OUT_OF_L1:
-                assert client.store(keys[way], payloads[way]) == count
-            wait_stored(client, count * len(WAYS_OUT_OF_L1))
-        names = {way: objects.locate(keys[way]) for way in WAYS_OUT_OF_L1}
+        names = store_both_ways(server, keys, payloads, objects)
         for way in WAYS_OUT_OF_L1:
             other = objects.read(names[way][-1])
             for (_, forge), name in zip(cases, names[way][1:-1], strict=True):
