@@ -275,6 +275,8 @@ class DaxBackend(SlotStoreBackend):
                 large = len(data) > 1 and sum(view.nbytes for view in data) >= PARALLEL_STORE_BYTES
                 copied = self._writers.map(self._copy_or_error, claims, data, parallel=large)
                 return self._writers.map(self._store_one, keys, data, claims, copied, parallel=False)
+        if claims:  # closed since put_many's closing check: counted as that check counts
+            self._stopped_closing("store", len(claims))
         for claim in claims:
             self.table.abandon(claim)
         return [False] * len(claims)
@@ -304,6 +306,8 @@ class DaxBackend(SlotStoreBackend):
         with self._in_flight.use() as usable:
             if usable:
                 return super()._load_group(keys, entries, buffers)
+        if keys:  # as _load_one counts a close it sees
+            self._stopped_closing("load", len(keys))
         return [False] * len(keys)
 
     def _fetch(self, entry: SlotEntry, key: ObjectKey, target: memoryview) -> bytes | None:
