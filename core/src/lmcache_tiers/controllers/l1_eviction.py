@@ -148,8 +148,14 @@ class L1EvictionController(ControllerThread):
         Objects not yet stored in L2 go last, and never with ``spare_unstored`` (room for
         a prefetch, or headroom, is not worth an acknowledged write).
         """
+        return self._evict(bytes_to_free, spare_unstored)[0]
+
+    def _evict(self, bytes_to_free: int, spare_unstored: bool) -> tuple[int, int]:
+        """``evict_now``: the bytes freed, and how many objects were evicted.  The two
+        differ in kind: an object whose extent is held back for an expired lock's grace
+        period leaves L1 and frees nothing until that period ends."""
         if bytes_to_free <= 0:
-            return 0
+            return 0, 0
         with self.l1.lock:
             self._put_back_unlocked()
             before, objects = self.l1.used_bytes, len(self.l1)
@@ -184,7 +190,7 @@ class L1EvictionController(ControllerThread):
                     end_fruitless_walk(self.policy, None)
                 self._count_evicted(evicted, freed)
                 self._count_unknown(unknown)
-                return freed
+                return freed, evicted
             # Cut short once the room is made; its eviction stands if its cleanup fails.
             self._close_walk(walk)
             if not eviction.keys:
@@ -201,7 +207,7 @@ class L1EvictionController(ControllerThread):
                 "L1 objects evicted before their L2 store: every other object was locked or too "
                 "small to make room for a write (L2 stores are slower than the writes)",
             )
-        return freed
+        return freed, len(eviction.keys)
 
     def _set_aside(self, keys: list[ObjectKey]) -> None:
         """Ask the policy, its walk over, to leave out of its walks the locked ``keys`` the
@@ -275,7 +281,7 @@ class L1EvictionController(ControllerThread):
         self.stats.fail("l1_nothing_evictable")
         self._stuck_log.warn(
             "l1_nothing_evictable",
-            "L1 eviction round freed nothing at %.0f%% usage, %d objects (failure reason "
+            "L1 eviction round evicted nothing at %.0f%% usage, %d objects (failure reason "
             "l1_nothing_evictable): every object is locked (being written, read or loaded by a "
             "prefetch) or waits for its L2 store, or the eviction policy offers none; writes that "
             "need room fail with OUT_OF_MEMORY until some frees up. Give L1 more room or L2 more "
@@ -301,11 +307,14 @@ class L1EvictionController(ControllerThread):
             # At least one byte: a round that rounds down to none would free nothing, and
             # read as nothing evictable, while the arena stays above the watermark.
             round_bytes = max(1, int(self.l1.used_bytes * self.eviction_ratio))
-            freed = self.evict_now(round_bytes, spare_unstored=True)
+            freed, evicted = self._evict(round_bytes, spare_unstored=True)
             if freed == 0:
                 # Everything left is locked or waiting for its L2 store (or the policy offers
-                # nothing, e.g. noop); the next write or the periodic tick tries again.
-                self._nothing_evictable()
+                # nothing, e.g. noop); the next write or the periodic tick tries again.  A
+                # round that evicted objects whose extents are held back for an expired
+                # lock's grace period did its part: their room comes back when that ends.
+                if not evicted:
+                    self._nothing_evictable()
                 break
         now = time.monotonic()
         if now >= self._next_reap:
