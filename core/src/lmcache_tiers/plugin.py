@@ -18,7 +18,8 @@ What each kind of plugin needs:
   ``CircuitConfig`` (the ``circuit`` option) and ``PROBE_KEY`` (what a probe asks about); persistent ones also
   ``RecordError`` (and subclasses), ``RecordVerdict`` / ``record_verdict`` (the one rule for
   a record read back that cannot serve its key: ``BackendContext.kept_record`` applies it;
-  ``KeptByDelete`` for deletes that read headers), ``RecordHeader``, ``verify_payload`` (``PayloadVerifier``
+  ``KeptByDelete`` for deletes that read headers, ``DeleteMarks`` for other marks a delete
+  leaves for the next lookup), ``RecordHeader``, ``verify_payload`` (``PayloadVerifier``
   for payloads read in pieces), loads verified as the bytes move ``read_record_file``,
   ``copy_verified`` (and ``copy_and_checksum`` for stores, ``VERIFY_PIECE``),
   ``header_length``, ``PREFIX_SIZE``, ``HEADER_CRC_SIZE``; backends copying bytes
@@ -161,6 +162,7 @@ if TYPE_CHECKING:
     from lmcache_tiers.l2.files.loads import RecordLoads
     from lmcache_tiers.l2.interface import L2Adapter, L2Listener, L2Op, LookupResult
     from lmcache_tiers.l2.leftcalls import LeftCallThreads
+    from lmcache_tiers.l2.marks import DeleteMarks
     from lmcache_tiers.l2.preflight import (
         check_claimed_once,
         check_directory,
@@ -244,6 +246,7 @@ _POLICY_SUITES = "lmcache_tiers.testing.policies"
 _LAZY = {
     "BackendContext": "lmcache_tiers.l2.context",
     "KeptByDelete": "lmcache_tiers.l2.context",
+    "DeleteMarks": "lmcache_tiers.l2.marks",
     "SlotReaders": "lmcache_tiers.l2.readers",
     "BatchWorkers": "lmcache_tiers.l2.workers",
     "WRITE_BACK": "lmcache_tiers.l2.background",
@@ -403,6 +406,7 @@ __all__ = [
     "ConnectionPeers",
     "DeflateSerde",
     "DeleteFailures",
+    "DeleteMarks",
     "DirectoryInUseError",
     "DirectoryLock",
     "EmptyConfig",
