@@ -152,30 +152,36 @@ class PrefetchController(ControllerThread):
         # The adapters' answers to that question (a hit pinned): those asked about the
         # whole lookup are asked about the keys after that one only (``_look_up_now``).
         probed: dict[int, LookupResult] = {}
-        if not self.slots or len(keys) - l1_hits >= PROBE_MIN_KEYS:
-            distinct = unique_length(keys, l1_hits)
-            # Settled too: no adapter; a repeat where L1's prefix ends (nothing is left for
-            # L2, so no adapter is asked about it); or no adapter holds the first key past
-            # L1's prefix, where the prefix then ends -- unless L1 holds it, not READY yet:
-            # committed before the request starts, it extends the L1 prefix (``_start``).
-            # Only the number of unique keys is counted.
-            if (
-                not self.slots
-                or distinct == l1_hits
-                or (
-                    not self.l1.contains(keys[l1_hits])
-                    and self._missing_everywhere_now(keys[l1_hits], failed, probed)
-                )
-            ):
-                self.stats.add_lookup(distinct, l1_hits)
-                return handle, locked
         try:
-            return self._begin_l2(handle, keys, readers, l1_hits, locked, started, failed, probed)
+            if not self.slots or len(keys) - l1_hits >= PROBE_MIN_KEYS:
+                distinct = unique_length(keys, l1_hits)
+                # Settled too: no adapter; a repeat where L1's prefix ends (nothing is left
+                # for L2, so no adapter is asked about it); or no adapter holds the first key
+                # past L1's prefix, where the prefix then ends -- unless L1 holds it, not
+                # READY yet: committed before the request starts, it extends the L1 prefix
+                # (``_start``).  Only the number of unique keys is counted.
+                if (
+                    not self.slots
+                    or distinct == l1_hits
+                    or (
+                        not self.l1.contains(keys[l1_hits])
+                        and self._missing_everywhere_now(keys[l1_hits], failed, probed)
+                    )
+                ):
+                    self.stats.add_lookup(distinct, l1_hits)
+                    return handle, locked
+            answer = self._begin_l2(handle, keys, readers, l1_hits, locked, started, failed, probed)
         except BaseException:
-            for index, answer in probed.items():  # a hit's pin that no request took over
-                if answer.found[0]:
+            for index, probe in probed.items():  # a hit's pin that no request took over
+                if probe.found[0]:
                     self._locks.unpin_slot(self.slots[index], [keys[l1_hits]])
+            # No request was queued to hold the L1 prefix's read locks, and the caller, who
+            # gets the exception instead of the locked prefix, cannot release them.
+            self._locks.release_read(locked, readers, self.l1.lock_deadline(started))
             raise
+        if answer[1] is None:
+            self.wake()  # queued: its locks and pins are the controller's now
+        return answer
 
     def _begin_l2(
         self,
@@ -217,7 +223,6 @@ class PrefetchController(ControllerThread):
         if not queued:  # shutting down
             self._locks.release_pins(request)
             return handle, locked
-        self.wake()
         return handle, None
 
     def _missing_everywhere_now(
