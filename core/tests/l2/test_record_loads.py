@@ -108,6 +108,7 @@ def test_an_intact_record_of_another_size_is_a_miss_that_is_kept(store: Store) -
     assert store.load(KEY, 9_000)[0] is False  # ... and shorter
     assert os.path.exists(path)
     assert store.counter("corrupt_records_removed") == 0
+    assert store.counter("load_size_changed") == 2
     assert store.load(KEY, 8_000) == (True, payload_of(8_000))
 
 
@@ -328,6 +329,7 @@ def test_an_intact_record_whose_header_length_differs_is_kept_and_explained(
         assert store.load(KEY, len(data))[0] is False
     assert os.path.exists(path)
     assert store.counter("corrupt_records_removed") == 0
+    assert store.counter("load_size_changed") == 1
     (line,) = [r.getMessage() for r in caplog.records if "a load expected" in r.getMessage()]
     size = len(unpadded) + len(data)
     assert f"a record of {size} bytes (header {len(unpadded)}, payload {len(data)})" in line

@@ -305,7 +305,18 @@ class RemoteRecords:
                         f"file is {size} bytes, its header says {header.header_len + header.payload_len}"
                     )
                 if header.payload_len != buffer.nbytes:
-                    return False  # another intact object of another size
+                    # Another intact object of another size (replaced since the lookup by
+                    # another writer): a miss, kept, counted as the local loads count it.
+                    self.context.count("load_size_changed")
+                    self.context.warn(
+                        "size_changed",
+                        "%s holds %d payload bytes, a load expected %d (replaced since the lookup): "
+                        "a miss, kept",
+                        shown(path),
+                        header.payload_len,
+                        buffer.nbytes,
+                    )
+                    return False
                 data = handle.read(buffer.nbytes)
             if len(data) != buffer.nbytes:
                 raise RecordError(f"payload is {len(data)} bytes, its header says {buffer.nbytes}")

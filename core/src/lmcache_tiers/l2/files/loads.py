@@ -12,7 +12,7 @@ after the workers (opening 64 files one after the other there cost about a tenth
 
 Outcomes, one per object, never an exception: True once every payload byte matched the
 header's checksum; False for a miss -- no file, a file of another size (another intact
-object: kept; damage: removed), a record of another serde chain or another key (kept;
+object: kept, counted ``load_size_changed``; damage: removed), a record of another serde chain or another key (kept;
 the latter counted ``foreign_records``), a file that
 shrank under the read, an I/O error (counted ``load_read_errors``, one line a burst; a
 path running through a file, ENOTDIR, is one too: the tree is damaged or moved aside,
@@ -46,7 +46,6 @@ load does.
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import threading
@@ -70,8 +69,6 @@ from lmcache_tiers.l2.verified import VERIFY_PIECE, read_and_digest, read_record
 if TYPE_CHECKING:
     from lmcache_tiers.l2.context import BackendContext
     from lmcache_tiers.l2.workers import BatchWorkers
-
-log = logging.getLogger("lmcache_tiers.l2.files")
 
 __all__ = ["ReadRecord", "RecordLoads"]
 
@@ -274,11 +271,14 @@ class RecordLoads:
                 f"file is {size} bytes, its header says {header.header_len + header.payload_len}"
             )
         # Header and payload told apart: a record whose header length differs (another
-        # layout string) may hold a payload of the very size a load expected.
-        log.info(
-            "%s: %s is a record of %d bytes (header %d, payload %d), a load expected %d (header %d, "
-            "payload %d): a miss, kept",
-            self._context.name,
+        # layout string) may hold a payload of the very size a load expected.  Another
+        # writer replaced it since the lookup (another chunk size): counted under the name
+        # the other adapters count it, a burst told in one line.
+        self._context.count("load_size_changed")
+        self._context.warn(
+            "size_changed",
+            "%s is a record of %d bytes (header %d, payload %d), a load expected %d (header %d, "
+            "payload %d) (replaced since the lookup): a miss, kept",
             printable(record_name(key)),
             size,
             header.header_len,
