@@ -95,6 +95,7 @@ from lmcache_tiers.plugin import (
     PREFIX_SIZE,
     BackendContext,
     ConfigError,
+    DeleteMarks,
     KeptByDelete,
     ObjectKey,
     ObjectSize,
@@ -370,7 +371,9 @@ class RedisBackend:
         self._deletes = KeptByDelete(context)
         #: keys a delete found holding something else (counted): not counted again by the
         #: lookup core makes right after the delete (``KeptByDelete`` does so for records)
-        self._foreign_by_delete: set[ObjectKey] = set()
+        self._foreign_by_delete: DeleteMarks[ObjectKey] = DeleteMarks(
+            context, "foreign_delete_marks_forgotten", "their next lookup counts them again (foreign_objects)"
+        )
         # The permission check of start-up reaches only the nodes that answer then; the
         # others are checked when they first answer (``_check_owed_permissions``).
         #: held by a check across its I/O; calls never wait for it (``_check_owed_permissions``)
@@ -570,11 +573,7 @@ class RedisBackend:
             return True
         if what not in ("lookup", "load") or not self._foreign_by_delete:  # the latter: rare
             return True
-        try:
-            self._foreign_by_delete.remove(key)  # atomic: two lookups skip the count once
-        except KeyError:
-            return True
-        return False
+        return not self._foreign_by_delete.take(key)  # two lookups skip the count once
 
     # -- lifecycle ------------------------------------------------------------------------------
 
