@@ -272,6 +272,9 @@ class FrontendSpec(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fi
 
 #: the largest integer every wire protocol carries (a signed 64-bit msgpack integer)
 _MAX_WIRE_INT = (1 << 63) - 1
+#: ``frontend_pool_max_mb``'s default: twice the native front end's largest request
+#: (``max_request_bytes``, 1 GiB), so that one such request never holds the pool alone
+FRONTEND_POOL_MAX_MB = 2048
 
 
 def _doc(text: str, **constraints: Any) -> Meta:
@@ -324,6 +327,16 @@ class ServerConfig(ComponentConfig):
         int,
         _doc("Prefetch requests running at once; the rest queue.", ge=1, le=_MAX_WIRE_INT),
     ] = 8
+    frontend_pool_max_mb: Annotated[
+        int,
+        _doc(
+            "MiB of request messages each front end holds on its worker pool (running and queued): "
+            "at it the front end reads no more requests until its pool is down to three quarters "
+            "of it (its requests wait in ZeroMQ's queues). At least the native front end's "
+            "max_request_bytes.",
+            ge=1,
+        ),
+    ] = FRONTEND_POOL_MAX_MB
     shutdown_timeout_s: Annotated[
         float,
         _doc(

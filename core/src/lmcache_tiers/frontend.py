@@ -78,10 +78,12 @@ class FrontendStats:
     reserved_stores: int = 0  # reservations clients are filling
     locked_keys: int = 0  # keys read-locked on behalf of clients
     pool_tasks: int = 0  # requests running on worker threads
-    # times the request loop stopped reading because its pool held its bound of requests,
-    # and the seconds it spent so (RouterLoop)
+    # times the request loop stopped reading because its pool held its bound of requests
+    # or of their bytes, and the seconds it spent so (RouterLoop); of those times, the ones
+    # the byte bound held
     pool_backpressure: int = 0
     pool_backpressure_seconds: float = 0.0
+    pool_backpressure_bytes: int = 0
     sessions: int = 0  # clients holding something or seen recently
     # what clients still held when the front end stopped (given back then)
     released_at_stop_locks: int = 0
@@ -110,6 +112,7 @@ class FrontendStats:
             "pool_backpressure": {
                 "times": self.pool_backpressure,
                 "seconds": round(self.pool_backpressure_seconds, 3),
+                "times_bytes_bound": self.pool_backpressure_bytes,
             },
             "locked_keys": self.locked_keys,
             "clients": self.sessions,

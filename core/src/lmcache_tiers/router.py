@@ -9,8 +9,9 @@ ROUTER, whose identity the loop recognises (:meth:`RouterLoop.is_waker`).
 
 A front end owns a :class:`RouterLoop`, receives with its ``socket`` in the
 ``receive_one`` it passes to :meth:`RouterLoop.run`, hands blocking work to
-:meth:`RouterLoop.submit` and replies with :meth:`RouterLoop.send`.  While the pool holds
-its bound of requests the loop reads none (:meth:`RouterLoop._hold_reading`).
+:meth:`RouterLoop.submit` (with the size of the request's message) and replies with
+:meth:`RouterLoop.send`.  While the pool holds its bound of requests, or of their bytes,
+the loop reads none (:meth:`RouterLoop._hold_reading`).
 
 Both report to :data:`~lmcache_tiers.activity.DATA_PLANE` (work in the pool is a span, a
 reply a touch), which is how write-back knows to stay out of the way of requests.
@@ -42,6 +43,7 @@ import zmq
 
 from lmcache_tiers.activity import DATA_PLANE
 from lmcache_tiers.burst import BurstLog
+from lmcache_tiers.config import FRONTEND_POOL_MAX_MB
 from lmcache_tiers.frontend import FrontendStats
 from lmcache_tiers.server.priority import share_priority, thread_ids, threads_named
 from lmcache_tiers.sweep_cadence import sweep_interval
@@ -63,6 +65,9 @@ _ZERO_COPY_BYTES = 64 << 10
 
 #: what ``submit``'s ``done`` gets on the loop thread: the work's result, or what it raised
 Done = Callable[[Any, "BaseException | None"], None]
+#: a pool request ended: its ``done``, its result or what it raised, its span token and its
+#: message's size
+_Completion = tuple[Done, Any, BaseException | None, object, int]
 #: ``submit``'s ``counted_at_stop``: whether the front end counts a request the stop gives
 #: up on itself (asked at the loop's end, after ``on_shutdown``)
 CountedAtStop = bool | Callable[[], bool]
@@ -92,6 +97,10 @@ POOL_REQUESTS_PER_WORKER = 128
 #: the share of its bound the pool must be down to before the loop reads again: a few
 #: requests' room at a time would stop and restart reading for every request that ends
 POOL_RESUME_SHARE = 0.75
+#: the bytes of request messages the pool may hold when the front end gives no bound
+#: (ServerConfig's ``frontend_pool_max_mb``): the request bound alone is no memory bound,
+#: as one request may carry up to the front end's largest message
+DEFAULT_POOL_BYTES = FRONTEND_POOL_MAX_MB << 20
 
 
 class RouterLoop:
@@ -109,12 +118,23 @@ class RouterLoop:
         drain_timeout_s: float,
         sweep_ttls: Sequence[float] = (),
         max_pool_requests: int | None = None,
+        max_pool_bytes: int | None = None,
     ) -> None:
         """``sweep_interval_s`` is the sweep's period, shortened to a quarter of the
         shortest of ``sweep_ttls`` (the TTLs the front end's sweep enforces) when that is
         shorter (at least ``SWEEP_FLOOR_S``, ``sweep_cadence.py``).  ``max_pool_requests``
         (default ``POOL_REQUESTS_PER_WORKER`` per pool thread) bounds the requests on the
-        pool: see :meth:`_hold_reading`."""
+        pool, ``max_pool_bytes`` (default ``DEFAULT_POOL_BYTES``) the sum of their
+        messages' sizes (as ``submit`` is told them): see :meth:`_hold_reading`."""
+        max_pool_requests = (
+            max_pool_requests if max_pool_requests is not None else pool_workers * POOL_REQUESTS_PER_WORKER
+        )
+        # Refused before anything is bound: a socket made here would outlive the refusal.
+        if max_pool_requests < 1:
+            raise ValueError(f"max_pool_requests must be at least 1, not {max_pool_requests}")
+        max_pool_bytes = max_pool_bytes if max_pool_bytes is not None else DEFAULT_POOL_BYTES
+        if max_pool_bytes < 1:
+            raise ValueError(f"max_pool_bytes must be at least 1, not {max_pool_bytes}")
         self.name = name
         self.stats = stats
         self.sweep_interval_s = sweep_interval(sweep_ttls, ceiling=sweep_interval_s)
@@ -156,16 +176,14 @@ class RouterLoop:
         else:
             self._bind_public(endpoint)
         self._pool = ThreadPoolExecutor(max_workers=pool_workers, thread_name_prefix=f"tiers-{name}")
-        self._completions: collections.deque[tuple[Done, Any, BaseException | None, object]] = (
-            collections.deque()
-        )
+        self._completions: collections.deque[_Completion] = collections.deque()
         self.in_pool = 0
-        self.max_pool_requests = (
-            max_pool_requests if max_pool_requests is not None else pool_workers * POOL_REQUESTS_PER_WORKER
-        )
-        if self.max_pool_requests < 1:
-            raise ValueError(f"max_pool_requests must be at least 1, not {self.max_pool_requests}")
-        self._resume_at = int(self.max_pool_requests * POOL_RESUME_SHARE)
+        self.max_pool_requests = max_pool_requests
+        self._resume_at = int(max_pool_requests * POOL_RESUME_SHARE)
+        #: the sizes of the messages of the requests on the pool, added up (loop thread)
+        self.pool_bytes = 0
+        self.max_pool_bytes = max_pool_bytes
+        self._resume_at_bytes = int(max_pool_bytes * POOL_RESUME_SHARE)
         #: whether the loop has stopped reading requests for want of room on the pool
         self.reading_held = False
         #: set by a pool thread that finishes work while the loop waits for room: the loop
@@ -383,7 +401,9 @@ class RouterLoop:
             while True:
                 if self.reading_held:
                     self._wait_for_room(next_sweep)
-                elif self.in_pool >= self.max_pool_requests and not self._stop_requested:
+                elif (
+                    self.in_pool >= self.max_pool_requests or self.pool_bytes >= self.max_pool_bytes
+                ) and not self._stop_requested:
                     self._hold_reading()
                     self._wait_for_room(next_sweep)
                 else:
@@ -423,15 +443,20 @@ class RouterLoop:
             self._close_sockets()
 
     def _hold_reading(self) -> None:
-        """Stop reading requests: the pool holds its bound of them.
+        """Stop reading requests: the pool holds its bound of them, or of their bytes.
 
         Every request read may go to the pool, so a client sending pool requests faster
         than the pool ends them grew its queue (and the memory of what they carry) without
-        bound.  Not read, requests wait in libzmq's queue of their connection
+        bound.  The request bound alone caps no memory (one request may carry the front
+        end's largest message: a gigabyte), so the sizes of the requests' messages are
+        bounded too.  A message's size is known only once it is read: one larger than what
+        is left under the byte bound is read all the same, so the pool holds at most the
+        byte bound plus one largest message (and one larger than the whole bound is served
+        alone, never refused).  Not read, requests wait in libzmq's queue of their connection
         (``RECEIVE_QUEUE_MESSAGES``), then in the senders' own queues: their sends block or
         wait, and nothing is dropped or reordered.  Replies still go out, the pool's work
         is finished and the sweep runs; reading starts again once the pool is down to
-        ``POOL_RESUME_SHARE`` of its bound, or as the stop begins (a draining front end
+        ``POOL_RESUME_SHARE`` of both bounds, or as the stop begins (a draining front end
         sends nothing more to the pool, it refuses).
 
         Work that a later request would end (a wait woken when the loop settles the
@@ -441,6 +466,21 @@ class RouterLoop:
         reached only when queued work piles up behind running work anyway."""
         self.reading_held = True
         self.stats.pool_backpressure += 1
+        if self.pool_bytes >= self.max_pool_bytes:
+            self.stats.pool_backpressure_bytes += 1
+            self._held_log.warn(
+                "held_bytes",
+                "%s: %d bytes of requests on the pool (its bound: %d): not reading new requests "
+                "until it is down to %d bytes and %d requests; clients' requests wait in their "
+                "connections' queues (pool_backpressure_bytes_total, pool_backpressure_total, "
+                "pool_backpressure_seconds_total)",
+                self.name,
+                self.pool_bytes,
+                self.max_pool_bytes,
+                self._resume_at_bytes,
+                self._resume_at,
+            )
+            return
         self._held_log.warn(
             "held",
             "%s: %d requests on the pool (its bound): not reading new requests until it is "
@@ -466,7 +506,8 @@ class RouterLoop:
         if self._completions:
             self._finish_completions()
         self.stats.pool_backpressure_seconds += time.monotonic() - started
-        if self.in_pool <= self._resume_at or self._stop_requested:
+        room = self.in_pool <= self._resume_at and self.pool_bytes <= self._resume_at_bytes
+        if room or self._stop_requested:
             self.reading_held = False
 
     def _note_open_files(self) -> None:
@@ -541,35 +582,45 @@ class RouterLoop:
 
     # -- pool hand-off ---------------------------------------------------------------------
 
-    def submit(self, work: Callable[[], Any], done: Done, *, counted_at_stop: CountedAtStop = False) -> None:
+    def submit(
+        self,
+        work: Callable[[], Any],
+        done: Done,
+        *,
+        counted_at_stop: CountedAtStop = False,
+        message_bytes: int = 0,
+    ) -> None:
         """Run ``work`` on the pool; then, on the loop thread, ``done(result, None)`` or
         ``done(None, exception)``.
 
         ``counted_at_stop`` (a flag, or a question asked at the loop's end) says whether
         the front end counts the request itself if the stop gives up on it before ``done``
-        runs; if not, the router counts it (:meth:`_count_abandoned`)."""
+        runs; if not, the router counts it (:meth:`_count_abandoned`).  ``message_bytes``
+        is the size of the request's message, held on the pool's byte bound until ``done``."""
 
         token = object()  # this request's span in DATA_PLANE
 
         def run() -> None:
             try:
-                item: tuple[Done, Any, BaseException | None, object] = (done, work(), None, token)
+                item: _Completion = (done, work(), None, token, message_bytes)
             except BaseException as exc:
-                item = (done, None, exc, token)
+                item = (done, None, exc, token, message_bytes)
             self._completions.append(item)
             self._wake()
             if self._waiting_for_room:
                 self._room.set()
 
         self.in_pool += 1
+        self.pool_bytes += message_bytes
         self._unanswered[token] = counted_at_stop
         DATA_PLANE.begin(token)
         self._pool.submit(run)
 
     def _finish_completions(self) -> None:
         while self._completions:
-            done, result, error, token = self._completions.popleft()
+            done, result, error, token, message_bytes = self._completions.popleft()
             self.in_pool -= 1
+            self.pool_bytes -= message_bytes
             self._unanswered.pop(token, None)
             DATA_PLANE.end(token)
             try:

@@ -69,6 +69,7 @@ FLAG_FIELDS: dict[str, tuple[str, str]] = {
     "metrics_host": ("metrics_host", "--metrics-host"),
     "metrics_port": ("metrics_port", "--metrics-port"),
     "shutdown_timeout": ("shutdown_timeout_s", "--shutdown-timeout"),
+    "frontend_pool_max_mb": ("frontend_pool_max_mb", "--frontend-pool-max-mb"),
 }
 
 #: serve parameter -> (ServerConfig field, flag) of the options errors may name, FLAG_FIELDS and
@@ -239,6 +240,13 @@ def make_serve(plugin_set: PluginSet) -> Callable[..., None]:
             _D.port, help="RPC port (front ends that give no port).", rich_help_panel=RPC_PANEL
         ),
         chunk_size: int = typer.Option(_D.chunk_size, help="Tokens per chunk.", rich_help_panel=RPC_PANEL),
+        frontend_pool_max_mb: int = typer.Option(
+            _D.frontend_pool_max_mb,
+            metavar="MIB",
+            help="MiB of requests each front end holds on its worker pool; at it, it reads no more "
+            "requests until down to three quarters (at least the native max_request_bytes).",
+            rich_help_panel=RPC_PANEL,
+        ),
         shutdown_timeout: float = typer.Option(
             _D.shutdown_timeout_s,
             metavar="SECONDS",

@@ -192,6 +192,11 @@ class TiersCollector(Collector):
             "Times a front end stopped reading requests because its pool held its bound of them",
         )
         yield from self._single(
+            "pool_backpressure_bytes",
+            stats.pool_backpressure_bytes,
+            "Of pool_backpressure_total, the times the bytes of the requests on the pool held its bound",
+        )
+        yield from self._single(
             "pool_backpressure_seconds",
             stats.pool_backpressure_seconds,
             "Seconds front ends spent not reading requests because their pool held its bound of them",

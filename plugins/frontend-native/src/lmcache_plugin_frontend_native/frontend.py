@@ -66,6 +66,7 @@ class NativeFrontend:
             max_request_bytes=max(config.max_request_bytes, config.max_inline_bytes),
             # one inline chunk up to the advertised limit must fit in one frame
             max_frame_bytes=config.max_inline_bytes + p.MAX_HEADER_BYTES,
+            max_pool_bytes=context.server.frontend_pool_max_mb << 20,
         )
 
     @property

@@ -52,6 +52,7 @@ class RpcServer:
         max_frame_bytes: int = 256 << 20,
         max_request_bytes: int = 1 << 30,
         drain_timeout_s: float = 10.0,
+        max_pool_bytes: int | None = None,
     ) -> None:
         self.handlers = handlers
         self.stats = handlers.stats
@@ -78,6 +79,7 @@ class RpcServer:
             sweep_interval_s=self.SWEEP_INTERVAL_S,
             sweep_ttls=(sessions.result_ttl_s, sessions.lock_ttl_s, sessions.write_ttl_s),
             drain_timeout_s=drain_timeout_s,
+            max_pool_bytes=max_pool_bytes,
         )
         self.socket = self.router.socket
         self.endpoint = self.router.endpoint
@@ -242,13 +244,13 @@ class RpcServer:
             self._fail_with(identity, request.req_id, exc, _store_keys(request))
             return
         if isinstance(result, Deferred):
-            self._submit(identity, request, result)
+            self._submit(identity, request, result, len(header) + total)
         else:
             self._answer(identity, result)
 
     # -- pool hand-off ---------------------------------------------------------------------
 
-    def _submit(self, identity: bytes, request: p._Request, deferred: Deferred) -> None:
+    def _submit(self, identity: bytes, request: p._Request, deferred: Deferred, message_bytes: int) -> None:
         def done(finish: Finish | None, error: BaseException | None) -> None:
             if deferred.cleanup is not None:
                 deferred.cleanup()
@@ -259,7 +261,7 @@ class RpcServer:
             self._fail_with(identity, request.req_id, error, _store_keys(request))
 
         # Every pool request is a PoolRequest: the stop counts those it gives up on.
-        self.router.submit(deferred.work, done, counted_at_stop=True)
+        self.router.submit(deferred.work, done, counted_at_stop=True, message_bytes=message_bytes)
 
     def _finish(self, identity: bytes, req_id: int, finish: Finish, store_keys: int) -> None:
         """Send what ``finish`` builds (nothing for None: answered already), or refuse the

@@ -63,6 +63,7 @@ class LMCacheMPFrontend:
             workers=config.workers,
             max_frame_bytes=config.max_message_mb << 20,
             drain_timeout_s=context.drain_timeout_s,
+            max_pool_bytes=context.server.frontend_pool_max_mb << 20,
         )
         if codec is not None:
             logger.warning(PICKLE_WARNING, self.name, self.loop.router.endpoint)

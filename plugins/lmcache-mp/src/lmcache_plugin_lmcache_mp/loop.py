@@ -90,6 +90,7 @@ class MPServer:
         workers: int,
         max_frame_bytes: int,
         drain_timeout_s: float,
+        max_pool_bytes: int | None = None,
     ) -> None:
         self.handlers = handlers
         shared = handlers.shared
@@ -107,6 +108,7 @@ class MPServer:
             # TTL.  A short TTL shortens the period, or L1 would reap them first.
             sweep_ttls=(shared.lock_ttl_s / 2, shared.write_ttl_s),
             drain_timeout_s=drain_timeout_s,
+            max_pool_bytes=max_pool_bytes,
         )
         self.socket = self.router.socket
         self._budget = _LineBudget(LOG_LINES_PER_WINDOW, LOG_WINDOW_S)
@@ -288,7 +290,9 @@ class MPServer:
         counted = deferred.counted_at_stop or (
             True if name in _GIVEN_UP_BY_TRANSFERS else lambda: request.given_up
         )
-        self.router.submit(work, done, counted_at_stop=counted)
+        # The message's size, held on the pool's byte bound (pickled chunks: up to max_message_mb).
+        size = len(identity) + len(uid) + len(op) + sum(map(len, arg_frames))
+        self.router.submit(work, done, counted_at_stop=counted, message_bytes=size)
 
     # -- replying --------------------------------------------------------------------------
 
