@@ -693,10 +693,14 @@ class RecordFiles:
                 f"record file is {size} bytes, header says {header.header_len + header.payload_len}"
             )
         # Header and payload told apart: a record whose header length differs (another
-        # layout string) may hold a payload of the very size a load expected.
-        log.warning(
-            "%s is a record of %d bytes (header %d, payload %d), a load expected %d (header %d, payload %d): "
-            "a miss, kept",
+        # layout string) may hold a payload of the very size a load expected.  Another
+        # writer replaced it since the lookup (another chunk size): counted under the name
+        # the other adapters count it, a burst told in one line.
+        self._context.count("load_size_changed")
+        self._context.warn(
+            "size_changed",
+            "%s is a record of %d bytes (header %d, payload %d), a load expected %d (header %d, "
+            "payload %d) (replaced since the lookup): a miss, kept",
             printable(record_name(key)),
             size,
             header.header_len,
