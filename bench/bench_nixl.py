@@ -23,7 +23,11 @@ page-aligned buffers, are written and read back by:
 * ``pwrite reuse`` -- ``os.pwrite`` into files opened once (what nixl_store's slots are);
 * ``nixl_store``   -- through the adapter, one batch, into its preallocated slots;
 
-and reads with ``os.preadv`` / adapter loads.  Methods run interleaved, round by round.
+and reads with ``os.preadv`` / adapter loads.  Methods run interleaved, round by round,
+in the order above in even rounds and reversed in odd ones, so that no method always
+runs on what the same other one left behind (page cache, dirty pages, the CPU's clock)
+and each baseline runs both before and after the methods compared with it (an even
+``--repeat`` gives both orders as many rounds).
 Every figure is the median of ``--repeat`` rounds, printed as GB/s with its ratio to the
 matching plain-I/O baseline (the target is >= 0.8); a ratio is the median of per-round
 ratios, which cancels most of a shared machine's drift.  Loads are served from the page
@@ -61,6 +65,7 @@ from cases import Case, parse_cases
 from lmcache_plugin_nixl.config import NixlStoreConfig, NixlStoreDynamicConfig
 from lmcache_plugin_nixl.dynamic import NixlDynamicBackend
 from lmcache_plugin_nixl.store import NixlStoreBackend
+from rounds import round_order
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, L2Adapter, create_adapter
@@ -330,10 +335,11 @@ def run_case(case: Case, root: str, args: argparse.Namespace) -> list[Result]:
             Method("nixl_store", *adapter_actions(pool, keys, buffers), "pwrite reused files"),
         ]
         # Rounds interleave the methods so that a machine getting slower or faster during
-        # the run shifts every figure alike instead of favouring whichever ran first.
+        # the run shifts every figure alike instead of favouring whichever ran first, and
+        # every other round reverses their order (round_order says why).
         load_before = os.getloadavg()[0]
-        for _ in range(args.repeat):
-            for method in methods:
+        for number in range(args.repeat):
+            for method in round_order(methods, number):
                 run_round(method, buffers, args.drop_caches)
     finally:
         dynamic.close()
@@ -355,8 +361,8 @@ def run_case(case: Case, root: str, args: argparse.Namespace) -> list[Result]:
         )
         if method.baseline:
             # Ratios are taken round by round (baseline and adapter ran in the same round,
-            # the baseline first: every round runs the methods in one fixed order) and
-            # then the median, which cancels most of a shared machine's drift.
+            # the baseline first in even rounds and last in odd ones) and then the
+            # median, which cancels most of a shared machine's drift.
             base = next(m for m in methods if m.name == method.baseline)
             result.baseline = base.name
             result.base_store_gbps = case.total / statistics.median(base.store_times) / GB

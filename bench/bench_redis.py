@@ -22,15 +22,17 @@ pipeline of one) plus the copy into the arena; the adapter's store task, and its
 task -- ``load`` after an untimed lookup (an engine looks a chunk up when it schedules the
 request and loads it later), ``lookup+load`` both timed (what fetching one chunk costs
 end to end; redis-py's single ``GET`` needs no lookup, the adapter's contract pins and
-sizes a chunk first, so this row is the adapter's worst case).  Rounds interleave the two
-methods, and load latencies interleave them object by object (a busy machine's drift hits
-both alike); store latencies are taken one method after the other, who goes first
-alternating from round to round (``one_at_a_time`` says why).  Each method's objects are
+sizes a chunk first, so this row is the adapter's worst case).  Rounds interleave the
+methods, in the order above in even rounds and reversed in odd ones (so that none always
+runs on what the same other one left behind: warm connections, the server's freed
+memory, the CPU's clock), and load latencies interleave them object by object (a busy
+machine's drift hits both alike); store latencies are taken one method after the other,
+who goes first alternating from round to round (``one_at_a_time`` says why).  Each method's objects are
 deleted once it has loaded them, so every method stores into a server holding none of the
 others', into memory the one before it freed: left stored, the later methods' values took
-new pages the server had to fault in (~65,000 a round of 256 MiB) where redis-py's, the
-first of a round, reused some the last round freed (~50,000 faults), a head start that was
-the bench's order, not the client's.  Throughput is the median of ``--repeat`` rounds,
+new pages the server had to fault in (~65,000 a round of 256 MiB) where the first of a
+round reused some the last round freed (~50,000 faults), a head start that was the
+bench's order, not the client's.  Throughput is the median of ``--repeat`` rounds,
 latency percentiles are over every object of every round, each printed next to redis-py's
 and with the ratio of redis-py's latency to the adapter's (>= 0.8 is the target;
 throughput ratios are medians of per-round ratios, which
@@ -55,6 +57,7 @@ from bench_args import BenchParser
 from lmcache_plugin_redis import RedisConfig
 from lmcache_plugin_redis.backend import trips
 from lmcache_plugin_redis.testing import RedisServer, missing_reason
+from rounds import round_order
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, L2Adapter, create_adapter
@@ -248,7 +251,7 @@ def run(objects: int, size: int, batch: int, repeat: int) -> dict[str, dict[str,
             direct, through = methods["redis-py"], methods["adapter"]
             assert isinstance(direct, Direct) and isinstance(through, ThroughAdapter)
             for number in range(repeat):
-                for name, method in methods.items():
+                for name, method in round_order(list(methods.items()), number):
                     rounds[name]["store"].append(objects * size / timed(method.store, objects, batch) / 1e9)
                     np.frombuffer(dest, dtype=np.uint8)[:] = 0  # a load must write every byte
                     rounds[name]["load"].append(objects * size / timed(method.load, objects, batch) / 1e9)
