@@ -27,12 +27,15 @@ methods, in the order above in even rounds and reversed in odd ones (so that non
 runs on what the same other one left behind: warm connections, the server's freed
 memory, the CPU's clock), and load latencies interleave them object by object (a busy
 machine's drift hits both alike); store latencies are taken one method after the other,
-who goes first alternating from round to round (``one_at_a_time`` says why).  Each method's objects are
-deleted once it has loaded them, so every method stores into a server holding none of the
-others', into memory the one before it freed: left stored, the later methods' values took
-new pages the server had to fault in (~65,000 a round of 256 MiB) where the first of a
-round reused some the last round freed (~50,000 faults), a head start that was the
-bench's order, not the client's.  Throughput is the median of ``--repeat`` rounds,
+who goes first alternating from round to round (``one_at_a_time`` says why).  Every timed
+load, batch or single object, writes into a destination zeroed before it and is compared
+with the stored bytes after it (both untimed): a load that reports success and writes
+nothing stops the run.  Each method's objects are deleted once it has loaded them, so
+every method stores into a server holding none of the others', into memory the one
+before it freed: left stored, the later methods' values took new pages the server had to
+fault in (~65,000 a round of 256 MiB) where the first of a round reused some the last
+round freed (~50,000 faults), a head start that was the bench's order, not the client's.
+Throughput is the median of ``--repeat`` rounds,
 latency percentiles are over every object of every round, each printed next to redis-py's
 and with the ratio of redis-py's latency to the adapter's (>= 0.8 is the target;
 throughput ratios are medians of per-round ratios, which
@@ -182,6 +185,31 @@ def elapsed(step: Callable[..., object], *args: object) -> float:
     return time.perf_counter() - started
 
 
+def wiped(view: memoryview) -> None:
+    np.frombuffer(view, dtype=np.uint8)[:] = 0
+
+
+def check_loaded(what: str, loaded: memoryview, stored: memoryview) -> None:
+    """Stop the run unless a timed load wrote the stored bytes: a load that reports success
+    and writes nothing is a failure, not a fast load (unlike an ``assert``, this check
+    stays under ``python -O``)."""
+    if not np.array_equal(np.frombuffer(loaded, dtype=np.uint8), np.frombuffer(stored, dtype=np.uint8)):
+        raise SystemExit(f"{what} loaded other bytes than were stored")
+
+
+def verified(
+    who: str, method: Direct | ThroughAdapter, index: int, load: Callable[..., object], *args: object
+) -> float:
+    """Seconds of ``load(*args)``, a load of object ``index``, then (untimed) its
+    destination checked against the stored bytes and zeroed again.  Zeroed after the check
+    rather than right before the next load into it, which would bring the destination
+    into the CPU's cache that the loads' spacing keeps it out of (``one_at_a_time``)."""
+    seconds = elapsed(load, *args)
+    check_loaded(f"{who} of object {index}", method.targets[index], method.views[index])
+    wiped(method.targets[index])
+    return seconds
+
+
 def one_at_a_time(
     direct: Direct,
     through: ThroughAdapter,
@@ -207,17 +235,26 @@ def one_at_a_time(
         method.clear()
     direct.store(range(count))  # the objects the loads read, stored untimed
     through.store(range(count))
+    # Every load finds its destination zeroed: by this, then by the check of the load
+    # before it into the same buffer (``verified``).
+    for method in (direct, through):
+        for target in method.targets:
+            wiped(target)
     # Each of the three timed loads writes another object's buffer (a third of the objects
     # apart), so none lands in a buffer the one before just left in the CPU's cache.
     ours, theirs = rounds["adapter"], rounds["redis-py"]
     for step in range(count):
         got, fetched, loaded = step, (step + count // 3) % count, (step + 2 * count // 3) % count
         if step % 2:
-            get = elapsed(direct.load_one, got)
-        ours["fetch_lat"].append(elapsed(through.load_one, fetched))
-        ours["load_lat"].append(elapsed(through.load_one_looked_up(loaded)))
+            get = verified("redis-py's GET", direct, got, direct.load_one, got)
+        ours["fetch_lat"].append(
+            verified("the adapter's lookup+load", through, fetched, through.load_one, fetched)
+        )
+        ours["load_lat"].append(
+            verified("the adapter's load", through, loaded, through.load_one_looked_up(loaded))
+        )
         if not step % 2:
-            get = elapsed(direct.load_one, got)
+            get = verified("redis-py's GET", direct, got, direct.load_one, got)
         theirs["fetch_lat"].append(get)
         theirs["load_lat"].append(get)  # a GET is redis-py's load and its whole fetch
 
@@ -253,17 +290,13 @@ def run(objects: int, size: int, batch: int, repeat: int) -> dict[str, dict[str,
             for number in range(repeat):
                 for name, method in round_order(list(methods.items()), number):
                     rounds[name]["store"].append(objects * size / timed(method.store, objects, batch) / 1e9)
-                    np.frombuffer(dest, dtype=np.uint8)[:] = 0  # a load must write every byte
+                    wiped(dest)  # a load must write every byte
                     rounds[name]["load"].append(objects * size / timed(method.load, objects, batch) / 1e9)
-                    assert bytes(dest) == bytes(source), f"{name} loaded other bytes"
+                    check_loaded(f"{name}'s batch load", dest, source)
                     # Every method's stores find the server as redis-py's do, its memory the
                     # one before just freed (see the docstring).
                     method.clear()
                 one_at_a_time(direct, through, objects, rounds, number)
-                np.frombuffer(dest, dtype=np.uint8)[:] = 0
-                for index in range(objects):  # the last object-at-a-time pass was the adapter's
-                    through.load_one_looked_up(index)()
-                assert bytes(dest) == bytes(source), "the adapter loaded other bytes one at a time"
                 for method in methods.values():
                     method.clear()
             adapter.close()

@@ -330,3 +330,79 @@ def test_a_bare_lookup_answered_with_an_error_or_misses_stops_the_run() -> None:
     with pytest.raises(SystemExit, match="answered"):
         bench_server.check_bare_lookup(p.encode(p.LookupReply(2, handle=1, hits=3)), 16)
     bench_server.check_bare_lookup(p.encode(p.LookupReply(2, handle=1, hits=16)), 16)
+
+
+# -- bench_redis ------------------------------------------------------------------------------
+
+
+class RedisSide:
+    """bench_redis's ``Direct`` or ``ThroughAdapter`` as ``one_at_a_time`` drives it: its
+    stores keep nothing, its loads write the stored bytes unless ``silent`` names them
+    (``load_one``: redis-py's GET or the adapter's lookup+load; ``looked_up``: the
+    adapter's load after an untimed lookup)."""
+
+    def __init__(self, views: list[memoryview], targets: list[memoryview], silent: str = "") -> None:
+        self.views, self.targets, self.silent = views, targets, silent
+
+    def store_one(self, index: int) -> None:
+        pass
+
+    def store(self, indices: range) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
+
+    def load_one(self, index: int) -> None:
+        if self.silent != "load_one":
+            self.targets[index][:] = self.views[index]
+
+    def load_one_looked_up(self, index: int) -> Any:
+        def load() -> None:
+            if self.silent != "looked_up":
+                self.targets[index][:] = self.views[index]
+
+        return load
+
+
+@pytest.mark.parametrize(
+    ("silent_side", "silent", "says"),
+    [
+        ("adapter", "load_one", "adapter's lookup\\+load of object"),
+        ("adapter", "looked_up", "adapter's load of object"),
+        ("redis-py", "load_one", "redis-py's GET of object"),
+    ],
+)
+def test_a_redis_single_object_load_that_writes_nothing_stops_the_run(
+    silent_side: str, silent: str, says: str
+) -> None:
+    """The per-object loads were timed and never compared: every load of a round wrote
+    into the one destination all three kinds of load share, so a load that wrote nothing
+    found the bytes an earlier load of the same object had left there, and the one
+    untimed pass after the round (the adapter's, writing all of them) saw nothing amiss."""
+    pytest.importorskip("lmcache_plugin_redis")
+    bench_redis = load_bench("bench_redis")
+    count = 6
+    source = np.random.default_rng(5).integers(0, 256, count * SIZE, dtype=np.uint8).tobytes()
+    views = [memoryview(source)[i * SIZE : (i + 1) * SIZE] for i in range(count)]
+    dest = memoryview(bytearray(count * SIZE))
+    targets = [dest[i * SIZE : (i + 1) * SIZE] for i in range(count)]
+    dest[:] = source  # what an earlier round's loads left there
+    direct = RedisSide(views, targets, silent if silent_side == "redis-py" else "")
+    through = RedisSide(views, targets, silent if silent_side == "adapter" else "")
+    rounds = {name: {"store_lat": [], "load_lat": [], "fetch_lat": []} for name in ("redis-py", "adapter")}
+    with pytest.raises(SystemExit, match=says):
+        bench_redis.one_at_a_time(direct, through, count, rounds, 0)
+
+
+def test_redis_single_object_loads_that_write_the_stored_bytes_are_timed() -> None:
+    pytest.importorskip("lmcache_plugin_redis")
+    bench_redis = load_bench("bench_redis")
+    count = 6
+    source = np.random.default_rng(5).integers(0, 256, count * SIZE, dtype=np.uint8).tobytes()
+    views = [memoryview(source)[i * SIZE : (i + 1) * SIZE] for i in range(count)]
+    dest = memoryview(bytearray(count * SIZE))
+    targets = [dest[i * SIZE : (i + 1) * SIZE] for i in range(count)]
+    rounds = {name: {"store_lat": [], "load_lat": [], "fetch_lat": []} for name in ("redis-py", "adapter")}
+    bench_redis.one_at_a_time(RedisSide(views, targets), RedisSide(views, targets), count, rounds, 0)
+    assert all(len(samples) == count for side in rounds.values() for samples in side.values())
