@@ -7,8 +7,12 @@ same run.
   ``repeats`` STOREs of fresh keys that go to L2, back to back, so the write-back of the
   earlier ones runs while the later ones are stored.  Both as GB/s and as a ratio of a
   memcpy of the same bytes measured by the same process right before; then the time L2
-  took to take everything (write-back throughput, for the record).  The client's mapping
-  of L1 is populated first, so neither phase pays first touches of the segment.
+  took to take everything (write-back throughput, for the record): until the server has
+  no L2 store pending, after which (untimed) every key stored is evicted from L1 and
+  looked up, so that only L2 can answer, and a key L2 does not hold stops the run --
+  "nothing pending" is also what a write-back that dropped or failed stores leaves.
+  The client's mapping of L1 is populated first, so neither phase pays first touches of
+  the segment.
 * :func:`store_many_clients` -- ``clients`` processes, each with its own client (its
   mapping of L1 populated, as above, before anything is timed): a memcpy phase (all
   processes copy their chunks at once, after a barrier), then a STORE phase (all store
@@ -75,7 +79,7 @@ class WriteBackFigures:
     write_back_store_gbps: float
     l1_only_store_ms: list[float] = field(default_factory=list)
     write_back_store_ms: list[float] = field(default_factory=list)
-    drained_s: float = 0.0  # after the last store, until L2 had every object
+    drained_s: float = 0.0  # after the last store, until nothing was pending (L2 then held all)
     write_back_gbps: float = 0.0  # bytes written back / (stores + drain) time
 
     def to_dict(self) -> dict[str, Any]:
@@ -88,6 +92,24 @@ class WriteBackFigures:
 def _pending_l2(client: Client) -> int:
     store = client.status().get("store", {})
     return int(store.get("in_flight_tasks", 0)) + int(store.get("pending_batches", 0))
+
+
+def check_l2_holds(client: Client, key_lists: list[list[ObjectKey]]) -> None:
+    """Stop the run unless L2 holds every key of ``key_lists``, once no L2 store is
+    pending: each list is evicted from L1 (which answers a lookup first) and looked up,
+    its L2 hits prefetched into L1, their locks released and the keys evicted again."""
+    for number, keys in enumerate(key_lists):
+        client.evict(keys)
+        hits = client.lookup(keys)
+        if hits:
+            client.release(keys[:hits])
+        client.evict(keys)
+        if hits != len(keys):
+            failures = client.status().get("failures", {})
+            raise SystemExit(
+                f"write-back drained (no L2 store pending), but L2 held {hits} of {len(keys)} keys "
+                f"of STORE {number} (a lookup's hits are a prefix); failures counted: {failures}"
+            )
 
 
 def store_under_write_back(url: str, chunks: int, chunk_bytes: int, repeats: int) -> WriteBackFigures:
@@ -119,8 +141,7 @@ def store_under_write_back(url: str, chunks: int, chunk_bytes: int, repeats: int
         while _pending_l2(client):
             time.sleep(0.01)
         drained = time.perf_counter()
-        for repeat in range(repeats):
-            client.evict(_keys(salt, f"wb-{repeat}", chunks))
+        check_l2_holds(client, [_keys(salt, f"wb-{repeat}", chunks) for repeat in range(repeats)])
     return WriteBackFigures(
         chunks,
         chunk_bytes,
