@@ -36,7 +36,13 @@ if the loop thread ran it.  :class:`ConnectionPeers` is what both front ends use
   (:func:`~lmcache_tiers.peer_process.watch_writer_socket`: a relay between the client and
   the server, which copies nothing) names no writer: the watch is armed with none
   (:attr:`PeerWatch.not_writer`) and counted (the front end's ``not_writer`` reason), so
-  the relay's exit lifts no fence.
+  the relay's exit lifts no fence;
+* where the scan names no writer and the front end's ``stand_in`` says the pinned process
+  may be the client's (the native front end: it maps the arena), the pin is kept as
+  :attr:`PeerWatch.stand_in`, asked on the worker right after the scan, while that process
+  lives: a writer behind a relay that exits before anything needed its fences lifted is
+  still known by the pidfd opened while it lived, not by its pid, which may name another
+  process by then.
 
 :meth:`ConnectionPeers.scan_now` runs a pending watch's scan on the caller's thread, for
 the rare request that cannot be answered right without knowing its process.
@@ -99,6 +105,9 @@ class PeerWatch:
         #: the process the client's hint named when the connection was first seen, pinned
         #: by a pidfd until the scan ends (see :meth:`ConnectionPeers._settle`)
         self.pin: PeerProcess | None = None
+        #: that pinned process, kept where the scan named no writer and the front end's
+        #: ``stand_in`` took it for the client's (set before the watch is armed)
+        self.stand_in: PeerProcess | None = None
         self.armed = threading.Event()
         #: when the loop thread first saw the connection (``time.monotonic()``)
         self.seen_at = time.monotonic()
@@ -137,14 +146,19 @@ class ConnectionPeers:
         max_pending: int = 1024,
         max_connections: int = 4096,
         thread_name: str = "tiers-peer-scan",
+        stand_in: Callable[[PeerProcess], bool] | None = None,
     ) -> None:
         """``failed`` / ``given_up`` / ``foreign`` / ``not_writer``: the reasons a front end
         counts them under (see the module);
+        ``stand_in(pinned)``: whether the live process a connection's hint named may stand
+        in for the writer where its scan names none (kept as :attr:`PeerWatch.stand_in`
+        if that process still lives once asked); None: never;
         ``max_pending``: connections waiting for their scan past which a new one is given
         up (a reconnect storm must not grow the queue without bound); ``max_connections``:
         connections remembered (past it the oldest is forgotten, and looked up again if it
         comes back: whoever holds its watch keeps it)."""
         self._scan = scan
+        self._stand_in = stand_in
         self.failed, self.given_up = failed, given_up
         self.foreign, self.not_writer = foreign, not_writer
         self._max_connections = max_connections
@@ -198,7 +212,9 @@ class ConnectionPeers:
             watch.arm(None)
             self._failures.append(self.foreign)
         else:
-            watch.pin = _pin(peer.hint)
+            # The raw hint, not only a scan's (loopback TCP): over ``ipc://`` a relay's pid
+            # is what SO_PEERCRED names, and the client's may have to stand in for it.
+            watch.pin = _pin(hint)
             if not self._submit(watch):
                 _unpin(watch)
                 return watch  # given up (counted): pending for ever, looked up again next time
@@ -250,6 +266,7 @@ class ConnectionPeers:
             found.close()  # a relay, or a process that never mapped the arena: never waited for
             failure, found, not_writer = self.not_writer, None, True
         pinned = watch.pin if found is None and _gone_with_its_pin(watch) else None
+        stands_in = found is None and pinned is None and self._pinned_stands_in(watch)
         with self._lock:
             if watch.armed.is_set():  # settled meanwhile by the other thread, which counted it
                 if found is not None:
@@ -270,6 +287,8 @@ class ConnectionPeers:
                 )
                 watch.arm(pinned, not_writer=not_writer)
                 return
+            if stands_in:
+                watch.stand_in, watch.pin = watch.pin, None
             _unpin(watch)
             if found is not None:
                 shared = self._by_pids.get(found.pids)
@@ -281,6 +300,16 @@ class ConnectionPeers:
                 else:
                     self._by_pids[found.pids] = found
             watch.arm(found, not_writer=not_writer)
+
+    def _pinned_stands_in(self, watch: PeerWatch) -> bool:
+        """Whether ``watch``'s pin may stand in for its writer (``stand_in``), asked while
+        the pinned process lives: one alive once asked was the one asked of (its pid had
+        not gone to another process), and one gone before leaves nothing to ask."""
+        pin = watch.pin  # one read: the other thread settling it may unpin it meanwhile
+        stand_in = self._stand_in
+        if pin is None or stand_in is None or watch.peer.remote:
+            return False  # a remote client's pid names no process here
+        return stand_in(pin) and pin.all_alive()
 
     def take_failures(self) -> Counter[str]:
         """Scans failed or given up since the last call, by reason."""

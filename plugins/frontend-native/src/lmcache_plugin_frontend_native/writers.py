@@ -29,6 +29,16 @@ its device and inode in ``/proc/<pid>/maps``), through a pidfd opened before the
 read, which a later reuse of the pid cannot fool: a relay's process, which copies
 nothing, is never taken for the writer (``peer_not_writer`` counts those connections).
 
+The HELLO pid's process is pinned by a pidfd when the connection's first request comes
+in, and where the kernel names no writer the scan worker reads its maps right after the
+lookup, while it lives (core's ``PeerWatch.stand_in``): a writer behind a relay that dies
+holding its reservation, before any sweep needed its fences, is seen to exit through that
+pidfd (its pid, asked at the sweep, named nothing any more, and the fence stayed until
+the server stopped).  Where that pin is not the one pid the reservations were made under
+(a HELLO pid changed between them, a connection the kernel names nothing of, a process
+gone before its maps were read), the HELLO pids are watched when first asked: one gone by
+then proves nothing, and its fences wait for the client's commit or abort.
+
 The HELLO pid is never asked where it cannot be the writer's in this namespace, and the
 client's fences then stay until it commits or aborts them, or the server stops:
 
@@ -129,7 +139,12 @@ class WriterProcesses:
             foreign="peer_foreign_namespace",
             not_writer="peer_not_writer",
             thread_name="tiers-native-peer-scan",
+            stand_in=self._maps_the_arena,
         )
+
+    def _maps_the_arena(self, process: PeerProcess) -> bool:
+        """Whether ``process`` maps the arena (asked on the scan worker)."""
+        return maps_file(process.pids, *self._arena)
 
     def hello(self, identity: bytes, pid: int) -> None:
         pids = self._pids
@@ -224,9 +239,13 @@ class WriterProcesses:
         if not _hello_may_stand_in(writer):
             return False
         if holds:
-            return self._hello_watch(identity) is not None
+            pinned = _pinned_as(writer, self._reserved_as.get(identity, ()))
+            return pinned is not None or self._hello_watch(identity) is not None
         # Nothing held: what a reservation made now would be watched as.
-        watch = self._mapping_the_arena(_watch_pids((self._pids.get(identity, 0),)))
+        pid = self._pids.get(identity, 0)
+        if _pinned_as(writer, (pid,)) is not None:
+            return True
+        watch = self._mapping_the_arena(_watch_pids((pid,)))
         if watch is None:
             return False
         watch.close()
@@ -254,9 +273,11 @@ class WriterProcesses:
             pid = self._pids.get(identity, 0)
             if pid <= 0 or self._reserved_as.get(earlier) != (pid,):
                 return False  # not watched only to be told apart
-            # Watched only for this answer, not kept as ``identity``'s: a client asking
-            # may hold nothing, so no forget() would ever close it.
-            process = told = self._mapping_the_arena(_watch_pids((pid,)))
+            process = _pinned_as(current, (pid,))
+            if process is None:
+                # Watched only for this answer, not kept as ``identity``'s: a client asking
+                # may hold nothing, so no forget() would ever close it.
+                process = told = self._mapping_the_arena(_watch_pids((pid,)))
         try:
             return process is not None and not process.exited() and self._all_of(earlier, writers, process)
         finally:
@@ -285,7 +306,8 @@ class WriterProcesses:
         process = writer.process if writer is not None else None
         if process is not None or not _hello_may_stand_in(writer):
             return process
-        return self._hello_watch(identity)
+        pinned = _pinned_as(writer, self._reserved_as.get(identity, ()))
+        return pinned if pinned is not None else self._hello_watch(identity)
 
     def forget(self, identity: bytes) -> None:
         """The client holds no reservation any more: stop watching its HELLO pid."""
@@ -338,6 +360,15 @@ def _same_live_process(one: PeerWatch | None, other: PeerWatch | None) -> bool:
     # Every process of ``mine`` alive: its pids name them still (a pid of one that exited
     # may name another process now, one ``theirs`` holds and ``mine`` does not watch)
     return mine is not None and theirs is not None and mine.pids == theirs.pids and mine.all_alive()
+
+
+def _pinned_as(watch: PeerWatch | None, pids: tuple[int, ...]) -> PeerProcess | None:
+    """The process pinned for ``watch``'s connection when its first request came in (the
+    HELLO pid's, found mapping the arena while it lived: core's ``PeerWatch.stand_in``),
+    where ``pids`` are just its pid: the pid the identity reserved under names that very
+    process, so its exit counts even if it came before anything asked for it."""
+    pinned = watch.stand_in if watch is not None else None
+    return pinned if pinned is not None and pinned.pids == pids else None
 
 
 def _hello_may_stand_in(watch: PeerWatch | None) -> bool:
