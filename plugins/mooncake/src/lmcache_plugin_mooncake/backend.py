@@ -94,6 +94,7 @@ from lmcache_plugin_mooncake.metadata_plugins import missing_metadata_plugin
 from lmcache_plugin_mooncake.sessions import GetSessions
 from lmcache_tiers.plugin import (
     BackendContext,
+    DeleteMarks,
     FieldError,
     KeptByDelete,
     ObjectKey,
@@ -349,8 +350,14 @@ class MooncakeStoreBackend:
         self._resized_lock = threading.Lock()
         #: kept records a delete judged, so the lookup core makes next counts none twice
         self._deletes = KeptByDelete(context)
-        #: names whose next lookup must read the record header (a delete kept the record)
-        self._reread: set[str] = set()
+        #: names whose next lookup must read the record header (a delete kept the record);
+        #: a load reads it anyway, so a mark forgotten costs a hit that load turns into a miss
+        self._reread: DeleteMarks[str] = DeleteMarks(
+            context,
+            "reread_marks_forgotten",
+            "their next lookup may answer from this server's accounting, and the load after it "
+            "reads the kept record and misses",
+        )
         #: set while the master is silent: its last call failed unanswered (see _master_call)
         self._master_silent = threading.Event()
         #: probes started and not ended (given up ones included), and when the last began
@@ -792,8 +799,7 @@ class MooncakeStoreBackend:
             # Unread, those records would be taken for this server's by the next lookup
             # (a hit from core's accounting alone): it must read them again.
             if reread:
-                with self._resized_lock:
-                    self._reread |= reread
+                self._reread.add_all(reread)
             raise
 
     def _found_sizes(
@@ -891,10 +897,7 @@ class MooncakeStoreBackend:
         a miss here -- core then releases what it accounts for them."""
         if not self._reread:  # rare: not worth the lock on every lookup otherwise
             return set()
-        with self._resized_lock:
-            taken = self._reread.intersection(names)
-            self._reread -= taken
-        return taken
+        return self._reread.take_all(names)
 
     def _size_changed(self, name: str) -> None:
         """A load found ``name`` not of the size reported: its next lookup asks the master."""
@@ -1230,8 +1233,7 @@ class MooncakeStoreBackend:
                 # it would be a hit that every load fails, each reading the whole record.
                 # (Not that lookup itself: its miss is that release, and marking the name
                 # again would have the key's next record -- this server's -- read too.)
-                with self._resized_lock:
-                    self._reread.add(name)
+                self._reread.add(name)
             return None
         if header is not None and header.header_len != HEADER_BYTES:
             why = f"header of {header.header_len} bytes, not {HEADER_BYTES}"
@@ -1414,8 +1416,7 @@ class MooncakeStoreBackend:
                             "%s: not removed", self.context.name, names[index], describe(code),
                         )  # fmt: skip
                     elif self._deletes.keeps(keys[index], lane.slot(slot)):
-                        with self._resized_lock:
-                            self._reread.add(names[index])
+                        self._reread.add(names[index])
                     else:
                         removable.append(index)
         return removable
