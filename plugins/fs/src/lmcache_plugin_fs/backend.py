@@ -16,6 +16,7 @@ import os
 from collections.abc import Iterator, Sequence
 
 from lmcache_plugin_fs import FsConfig
+from lmcache_plugin_fs.case_probe import folds_case
 from lmcache_plugin_fs.local_io import LocalRecords
 from lmcache_plugin_fs.remote import RemoteRecords, shown
 from lmcache_plugin_fs.rename_probe import check_renames_into_root
@@ -124,6 +125,8 @@ class FsBackend:
         self._temp_lock: DirectoryLock | None = None
         #: what holds the tree: the local directory, or the fsspec records themselves
         self._tree: LocalFiles | RemoteRecords
+        #: whether the local root finds names in another letter case (``case_probe``)
+        self._folds_case = False
         if config.is_local:
             self._open_local(config, context)
         else:
@@ -188,6 +191,17 @@ class FsBackend:
             read_ahead=config.read_ahead_size,
             failures=failures,
         )
+        self._folds_case = folds_case(layout.root) is True
+        if self._folds_case:
+            log.warning(
+                "%s: the filesystem of %s does not tell letter case apart in names: keys whose "
+                "model name or cache_salt differ only in case share one record file, and a store "
+                "of one replaces the other's record (that key's stored object is then gone: a "
+                "miss, never the other's bytes); give the adapter a directory on a "
+                "case-sensitive filesystem",
+                context.name,
+                layout.root,
+            )
 
     def _open_remote(self, config: FsConfig, context: BackendContext) -> None:
         import fsspec
@@ -268,6 +282,12 @@ class FsBackend:
 
     def capacity(self) -> int | None:
         return self._capacity
+
+    def stats(self) -> dict[str, int]:
+        """``case_insensitive_root`` (local roots): 1 when the root's filesystem folds
+        letter case in names, so keys that differ only in case replace each other's
+        records -- a flag in ``/status`` and ``/metrics`` next to the start-up line."""
+        return {"case_insensitive_root": int(self._folds_case)} if self.config.is_local else {}
 
     def close(self) -> None:
         try:
