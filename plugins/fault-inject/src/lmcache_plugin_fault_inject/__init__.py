@@ -52,7 +52,8 @@ class FaultInjectConfig(L2AdapterConfig):
     (keys of loads ``rate`` chose, not already failed), ``injected_load_gaps`` (keys
     not already failed), ``injected_corruptions``, ``injected_<op>_delays`` (calls); the
     failures, gaps and corruptions are also logged.  ``inner_lookup_timeouts`` counts
-    lookups abandoned after ``lookup_timeout_s``.
+    lookups abandoned after ``lookup_timeout_s``, ``inner_lookup_stopped_closing`` those
+    given up earlier because the adapter closed (a plain inner adapter's lookups).
 
     Pings: the circuit breaker's probe reaches the inner adapter's own ``ping`` (a redis
     cluster pings every primary), delayed and failed like a lookup (``lookup_fail_rate``,

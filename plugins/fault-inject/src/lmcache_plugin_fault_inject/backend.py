@@ -61,6 +61,12 @@ class InnerLookupTimeout(TimeoutError):
     """
 
 
+class InnerLookupAbandoned(RuntimeError):
+    """The adapter started closing before the inner adapter answered a lookup: given up,
+    raised for the reason :class:`InnerLookupTimeout` is (every key a miss, none
+    forgotten), but no timeout passed."""
+
+
 def gap_positions(count: int, indices: Sequence[int], tail_ratios: Sequence[float]) -> set[int]:
     """Positions of a ``count``-key load batch that the gap settings always drop."""
     if count == 0:
@@ -348,11 +354,17 @@ class FaultInjectBackend(_FaultInjector):
                 found = call.result(min(_DELAY_POLL_S, max(0.0, deadline - time.monotonic())))
                 break
             except FutureTimeout:
-                if time.monotonic() >= deadline or self.context.closing:
+                timed_out = time.monotonic() >= deadline
+                if timed_out or self.context.closing:
                     # Still queued (every helper thread stuck in the inner backend), it
                     # must not run later: abandoned lookups would pile up while the inner
                     # backend is stuck, and all run before any new one once it answers.
                     call.cancel()
+                    if not timed_out:  # given up for the close: no timeout passed
+                        self.context.count("inner_lookup_stopped_closing")
+                        raise InnerLookupAbandoned(
+                            "the adapter closed before the inner adapter answered a lookup"
+                        ) from None
                     self.context.count("inner_lookup_timeouts")
                     raise InnerLookupTimeout(
                         f"the inner adapter did not answer a lookup in {self.config.lookup_timeout_s:g} s"
