@@ -333,16 +333,26 @@ class ThreadRunner(Runner):
 
     def stop(self, deadline: float) -> None:
         # Tasks still queued never reach the backend; running ones may finish in time.
+        dropped = 0
         for jobs in self._queues.values():
             while True:
                 try:
                     item = jobs.get_nowait()
                 except queue.Empty:
                     break
-                if item is not None:
-                    self.state.board.fail(item[0])
+                if item is not None and self.state.board.fail(item[0]):
+                    dropped += 1
             for _ in range(self.workers):
                 jobs.put(None)
+        if dropped:
+            # Counted as the close's other failed tasks are: failed here, they are no
+            # longer pending when the adapter fails (and counts) what is left.
+            self.state.count("tasks_failed_closed", dropped)
+            log.warning(
+                "%s: %d queued tasks failed by the close before reaching the backend",
+                self.state.name,
+                dropped,
+            )
         self._interrupt()
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
