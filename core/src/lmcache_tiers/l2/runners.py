@@ -851,8 +851,12 @@ class LoopRunner(Runner):
                         self._closed_unfinished(task_id, op, handoff)
                         raise
         except asyncio.CancelledError:
-            if not self._hand_back(task_id, op, handoff):
-                self.state.board.fail(task_id)
+            # Core cancels a task only as the adapter closes (``stop``): failed here first
+            # and counted, as the close's other failed tasks are -- else it would count
+            # only if the close's own sweep of pending tasks came before this ran.
+            if self.state.board.fail(task_id) and self.state.closing.is_set():
+                self.state.count("tasks_failed_closed")
+            self._hand_back(task_id, op, handoff)
             raise
         except GeneratorExit:
             if not closed_unfinished:
