@@ -275,6 +275,22 @@ class BackendContext:
         self._state.note_layout(key, header.layout)
         return header
 
+    @property
+    def serde_names(self) -> tuple[str, ...]:
+        """The configured serde chain as record headers name it (identity stages left
+        out): what a backend that keeps no record header (the ``mock``) stores beside an
+        object, to tell after a restart which chain encoded it."""
+        return self._state.chain.names
+
+    def serde_chain_mismatch(self, key: ObjectKey, written: Sequence[str]) -> None:
+        """``key``'s object was written with the serde chain ``written`` (its
+        :attr:`serde_names` then), not the configured one, as a backend that keeps no
+        record header finds it (:meth:`read_record_header` does this for one that does).
+        Counted (``serde_chain_mismatch``) and logged; the caller answers a miss and keeps
+        the object, which core keeps accounted and loads skip until a store of the key
+        replaces it -- restoring that chain reads it again."""
+        self._state.mark_unreadable(key, written)
+
     def peek_record_header(self, data: bytes | memoryview, key: ObjectKey) -> RecordHeader | None:
         """Decode and verify a stored header of ``key`` as :meth:`read_record_header` does
         (None: intact, of another serde chain; a ``RecordError`` otherwise), marking and

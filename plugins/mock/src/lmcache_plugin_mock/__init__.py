@@ -18,6 +18,8 @@ class MockConfig(L2AdapterConfig):
     ``latency_s + N / bandwidth_bytes_per_s``).
     Adapters configured with the same ``namespace`` share their objects within one
     process, which lets tests close an adapter and open a new one as if after a restart.
+    As after a restart of a record store, objects stored under another serde chain than
+    the adapter's are misses it keeps, counted (``serde_chain_mismatch``) and logged.
     Objects are kept in a memory pool of ``max_size_gb`` per namespace (address space,
     faulted in as it is first written, or at start with ``prefault``) whose pages are
     reused after deletes.

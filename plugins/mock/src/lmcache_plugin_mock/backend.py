@@ -95,12 +95,15 @@ class _Pool:
 class _Object:
     """One stored object: an extent of a pool, or ``bytes`` (small, or no room in the pool)."""
 
-    __slots__ = ("heap", "offset", "pool", "readers", "retired", "size")
+    __slots__ = ("chain", "heap", "offset", "pool", "readers", "retired", "size")
 
-    def __init__(self, size: int, pool: _Pool | None, offset: int) -> None:
+    def __init__(self, size: int, pool: _Pool | None, offset: int, chain: tuple[str, ...]) -> None:
         self.size = size
         self.pool = pool
         self.offset = offset
+        #: the serde chain that encoded the bytes (``BackendContext.serde_names``): an
+        #: adapter reopening the namespace with another chain must not decode them
+        self.chain = chain
         self.heap = b""
         #: loads copying out of the object right now
         self.readers = 0
@@ -219,13 +222,16 @@ class MockBackend:
             return [False] * len(keys)
         objects = self._objects
         claimed: list[_Object] = []
+        chain = self.context.serde_names
         with objects.lock:
             pool = objects.pool
             for payload in payloads:
                 offset = None
                 if pool is not None and payload.nbytes >= _POOL_MIN_BYTES:
                     offset = pool.allocate(payload.nbytes)
-                claimed.append(_Object(payload.nbytes, pool if offset is not None else None, offset or 0))
+                claimed.append(
+                    _Object(payload.nbytes, pool if offset is not None else None, offset or 0, chain)
+                )
         try:
             for obj, payload in zip(claimed, payloads, strict=True):
                 if obj.pool is None:
@@ -251,7 +257,23 @@ class MockBackend:
         self._simulate(0)
         with self._objects.lock:
             found = [self._objects.data.get(key) for key in keys]
-        return [None if obj is None else obj.size for obj in found]
+        readable = self._readable(keys, found)
+        return [obj.size if obj is not None and ok else None for obj, ok in zip(found, readable, strict=True)]
+
+    def _readable(self, keys: Sequence[ObjectKey], found: Sequence[_Object | None]) -> list[bool]:
+        """Which objects this chain can decode.  One stored by an adapter of another serde
+        chain (the namespace reopened as after a restart with the chain changed) is a
+        miss, counted and logged, and kept -- as a record store treats a record of another
+        chain -- never decoded into wrong bytes."""
+        chain = self.context.serde_names
+        readable = []
+        for key, obj in zip(keys, found, strict=True):
+            if obj is not None and obj.chain != chain:
+                self.context.serde_chain_mismatch(key, obj.chain)
+                readable.append(False)
+            else:
+                readable.append(True)
+        return readable
 
     @property
     def answers_lookups_now(self) -> bool:
@@ -268,6 +290,9 @@ class MockBackend:
             found = [self._objects.data.get(key) for key in keys]
         finally:
             self._objects.lock.release()
+        chain = self.context.serde_names
+        if any(obj is not None and obj.chain != chain for obj in found):
+            return None  # another chain's objects: counted and logged by contains_many
         return [None if obj is None else obj.size for obj in found]
 
     def get_many_into(self, keys: Sequence[ObjectKey], buffers: Sequence[memoryview]) -> list[bool]:
@@ -280,9 +305,10 @@ class MockBackend:
         try:
             if not self._simulate(sum(obj.size for obj in found if obj is not None)):
                 return [False] * len(keys)
+            readable = self._readable(keys, found)
             ok: list[bool] = []
-            for obj, buffer in zip(found, buffers, strict=True):
-                if obj is None or obj.size != buffer.nbytes:
+            for obj, buffer, decodable in zip(found, buffers, readable, strict=True):
+                if obj is None or not decodable or obj.size != buffer.nbytes:
                     ok.append(False)
                     continue
                 copy_into(buffer, obj.view())
