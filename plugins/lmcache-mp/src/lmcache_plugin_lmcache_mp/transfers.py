@@ -428,6 +428,12 @@ class Transfers:
             self.shared.refuse_too_large("commit_store", key, exc)
             self._refuse_keys(exc.reason, exc.keys)
             return False
+        except RequestRefused as exc:
+            if exc.reason == "mp_unregistered_instance":
+                # Its client copies into no slot of the range any more (it sent the chunks
+                # pickled instead), as a shared-memory commit of such an instance says.
+                self._end_store_of_unregistered(key, instance_id, peer)
+            raise  # not answered, as by LMCache's server
         try:
             return self._start_pickled(key, instance, keys, data, peer)
         except Exception as exc:
