@@ -79,6 +79,17 @@ class _ServerChanged(ClientError):
         )
 
 
+class _StoreProgress:
+    """How far a shared-memory store got in ``segment``, kept across its attempts (see
+    ``Client._on_current_server``): the keys whose batches were committed, and how many
+    of them were newly stored."""
+
+    def __init__(self) -> None:
+        self.segment: MappedSegment | None = None
+        self.keys_done = 0
+        self.stored = 0
+
+
 def _segment_identity(hello: p.HelloReply) -> tuple[Any, ...]:
     return (
         hello.shm_name,
@@ -376,7 +387,8 @@ class Client(Connection):
         for layout, size in dict.fromkeys(zip(layouts, sizes, strict=True)):
             check_layout(layout, size)
         chosen = list(layouts)
-        return self._on_current_server(lambda: self._store_now(keys, arrays, chosen, l1_only))
+        progress = _StoreProgress()
+        return self._on_current_server(lambda: self._store_now(keys, arrays, chosen, l1_only, progress))
 
     def _check_l1_only(self, l1_only: bool) -> None:
         """Raise ClientError for an ``l1_only`` store the server greeted last cannot keep
@@ -385,7 +397,12 @@ class Client(Connection):
             raise ClientError(f"the server at {self.url} cannot keep stores out of L2 (it is older)")
 
     def _store_now(
-        self, keys: Sequence[ObjectKey], arrays: list[np.ndarray[Any, Any]], layouts: list[str], l1_only: bool
+        self,
+        keys: Sequence[ObjectKey],
+        arrays: list[np.ndarray[Any, Any]],
+        layouts: list[str],
+        l1_only: bool,
+        progress: _StoreProgress,
     ) -> int:
         # Asked again of the server followed here (``store`` asked the one greeted before):
         # one restarted at the address may be an earlier release.
@@ -393,11 +410,20 @@ class Client(Connection):
         stored = 0
         with self._mapped() as segment:
             if segment is not None:
-                for part in self._batches(len(keys)):
-                    stored += self._store_shm(
+                if progress.segment is not segment:
+                    # A first attempt, or one after a restart: nothing committed before is here.
+                    progress.segment, progress.keys_done, progress.stored = segment, 0, 0
+                # Again on the same server (after a drop, not a restart), the batches
+                # committed before hold their keys: reserved again, they would be skipped
+                # as present and left out of the count, so the store goes on from the
+                # batch that failed.
+                while progress.keys_done < len(keys):
+                    part = slice(progress.keys_done, min(len(keys), progress.keys_done + self.max_keys))
+                    progress.stored += self._store_shm(
                         list(keys[part]), arrays[part], _sent_layouts(layouts[part]), segment, l1_only
                     )
-                return stored
+                    progress.keys_done = part.stop
+                return progress.stored
         for batch_keys, batch_arrays, batch_layouts in self._inline_batches(list(keys), arrays, layouts):
             request = p.StoreInline(0, "", batch_keys, _sent_layouts(batch_layouts), l1_only)
             reply = self._call(request, p.StoreReply, payloads=batch_arrays)
