@@ -117,6 +117,16 @@ class ByteAccounting:
             for key, size in items:
                 self._set(key, size)
 
+    def record_if(self, key: ObjectKey, known: ObjectSize, size: ObjectSize) -> bool:
+        """Account ``key`` at ``size`` if its entry is still ``known`` (the very object a
+        caller read before asking the backend); False when a store replaced it meanwhile,
+        and the backend's answer may predate that store."""
+        with self._lock:
+            if self._sizes.get(key) is not known:
+                return False
+            self._set(key, size)
+            return True
+
     def record_if_absent(self, key: ObjectKey, size: ObjectSize) -> bool:
         with self._lock:
             if key in self._sizes:

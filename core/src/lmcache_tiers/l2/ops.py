@@ -296,8 +296,15 @@ def resolve_size(
         # Accounted already (and known to the eviction policy): the usage follows the
         # object now in the store even when it is too large to load here, or the
         # adapter would overrun its capacity by the difference.
-        state.accounting.record(key, size)
-        _note_past_capacity(state, key, size, limit)
+        if state.accounting.record_if(key, known, size):
+            _note_past_capacity(state, key, size, limit)
+        else:
+            # A store replaced the entry while the backend was asked, maybe after the
+            # record reported was read: its entry is the newer word on the object (as
+            # ``_adopted_size`` takes one), and overwritten the usage would lose it.
+            current = state.accounting.get(key)
+            if current is not None and current.l1 != UNKNOWN_L1:
+                size = current
     return (size if _possible_l1_size(state, key, size) else None), False
 
 
