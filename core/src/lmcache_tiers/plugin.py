@@ -56,7 +56,8 @@ What each kind of plugin needs:
   ``FileIdentity``, ``is_out_of_space``, ``fsync_directory`` (a directory's entries made
   durable), ``ABSENT_FILE_ERRORS`` (the errors that mean "no
   such record"), ``KeyStripes`` (per-key locks), ``judge_digest_record``,
-  ``keeps_unlisted`` and ``log_unreadable_header`` (listing digest-named records); stores
+  ``keeps_unlisted`` and ``log_unreadable_header`` (listing digest-named records), a root
+  whose filesystem folds letter case told at start-up ``warn_if_root_folds_case``; stores
   with paths or devices, for their ``preflight``: ``check_directory``, ``check_file``, a directory
   another server holds ``check_directory_free``, a device named by two adapters ``check_claimed_once``,
   a store living in the process (``memory://``) ``check_process_claim_free``;
@@ -157,6 +158,7 @@ if TYPE_CHECKING:
         log_unreadable_header,
         record_key,
         record_name,
+        warn_if_root_folds_case,
     )
     from lmcache_tiers.l2.files.durable import fsync_directory
     from lmcache_tiers.l2.files.loads import RecordLoads
@@ -284,6 +286,7 @@ _LAZY = {
     "log_unreadable_header": _FILES,
     "record_key": _FILES,
     "record_name": _FILES,
+    "warn_if_root_folds_case": _FILES,
     "RecordLoads": "lmcache_tiers.l2.files.loads",
     "fsync_directory": "lmcache_tiers.l2.files.durable",
     "check_claimed_once": "lmcache_tiers.l2.preflight",
@@ -525,6 +528,7 @@ __all__ = [
     "redact_url_secrets",
     "segment_identity",
     "verify_payload",
+    "warn_if_root_folds_case",
     "watch_peer",
     "watch_peer_socket",
     "watch_writer_socket",

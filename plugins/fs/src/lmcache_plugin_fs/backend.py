@@ -16,7 +16,6 @@ import os
 from collections.abc import Iterator, Sequence
 
 from lmcache_plugin_fs import FsConfig
-from lmcache_plugin_fs.case_probe import folds_case
 from lmcache_plugin_fs.local_io import LocalRecords
 from lmcache_plugin_fs.remote import RemoteRecords, shown
 from lmcache_plugin_fs.rename_probe import check_renames_into_root
@@ -39,6 +38,7 @@ from lmcache_tiers.plugin import (
     check_relative_dir,
     direct_io_refusal,
     redact_url_secrets,
+    warn_if_root_folds_case,
 )
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class FsBackend:
         self._temp_lock: DirectoryLock | None = None
         #: what holds the tree: the local directory, or the fsspec records themselves
         self._tree: LocalFiles | RemoteRecords
-        #: whether the local root finds names in another letter case (``case_probe``)
+        #: whether the local root finds names in another letter case (``warn_if_root_folds_case``)
         self._folds_case = False
         if config.is_local:
             self._open_local(config, context)
@@ -191,17 +191,7 @@ class FsBackend:
             read_ahead=config.read_ahead_size,
             failures=failures,
         )
-        self._folds_case = folds_case(layout.root) is True
-        if self._folds_case:
-            log.warning(
-                "%s: the filesystem of %s does not tell letter case apart in names: keys whose "
-                "model name or cache_salt differ only in case share one record file, and a store "
-                "of one replaces the other's record (that key's stored object is then gone: a "
-                "miss, never the other's bytes); give the adapter a directory on a "
-                "case-sensitive filesystem",
-                context.name,
-                layout.root,
-            )
+        self._folds_case = warn_if_root_folds_case(layout.root, context.name)
 
     def _open_remote(self, config: FsConfig, context: BackendContext) -> None:
         import fsspec

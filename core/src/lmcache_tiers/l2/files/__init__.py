@@ -6,9 +6,12 @@
   removal, listing with sizes, start-up sweep, a root re-created when it vanished;
 * :mod:`~lmcache_tiers.l2.files.records` -- header sizes from the key, write failures
   (ENOSPC, I/O errors) counted and logged once per burst;
-* :mod:`~lmcache_tiers.l2.files.dirlock` -- one server per directory.
+* :mod:`~lmcache_tiers.l2.files.dirlock` -- one server per directory;
+* :mod:`~lmcache_tiers.l2.files.case_probe` -- a root whose filesystem folds letter case,
+  told at start-up.
 """
 
+from lmcache_tiers.l2.files.case_probe import warn_if_root_folds_case
 from lmcache_tiers.l2.files.dirlock import DirectoryInUseError, DirectoryLock, PathLock, ProcessClaim
 from lmcache_tiers.l2.files.layout import (
     RECORD_SUFFIX,
@@ -60,4 +63,5 @@ __all__ = [
     "log_unreadable_header",
     "record_key",
     "record_name",
+    "warn_if_root_folds_case",
 ]

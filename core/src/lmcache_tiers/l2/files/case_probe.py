@@ -1,16 +1,20 @@
-"""Whether a local root tells letter case apart in names.
+"""Whether a local root tells letter case apart in names, told once at start-up.
 
 Record names keep a key's model name and cache_salt as they are, so on a filesystem that
 folds case (exFAT, FAT, an ext4 or tmpfs directory with casefolding, the defaults of macOS
 and Windows) keys that differ only in case share one file: a store of one replaces the
 other's record, whose key is then a miss (another key's record: ``foreign_records``).
-Escaping upper case in names would rename every existing cache, so the start-up asks
-instead, by creating one file and looking for its name in upper case, and says so."""
+Escaping upper case in names would rename every existing cache, so a local store's
+start-up asks instead, by creating one file and looking for its name in upper case, and
+says so (``fs`` and ``nixl_store_dynamic`` use the same names, and this one probe)."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+
+log = logging.getLogger("lmcache_tiers.l2.files")
 
 
 def folds_case(root: str) -> bool | None:
@@ -31,3 +35,21 @@ def folds_case(root: str) -> bool | None:
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+
+def warn_if_root_folds_case(root: str, name: str) -> bool:
+    """Probe the local store directory ``root`` (which exists) of the adapter ``name``;
+    when its filesystem folds letter case, say so in one warning line and return True
+    (the adapter reports it as ``case_insensitive_root`` in its stats)."""
+    if folds_case(root) is not True:
+        return False
+    log.warning(
+        "%s: the filesystem of %s does not tell letter case apart in names: keys whose "
+        "model name or cache_salt differ only in case share one record file, and a store "
+        "of one replaces the other's record (that key's stored object is then gone: a "
+        "miss, never the other's bytes); give the adapter a directory on a "
+        "case-sensitive filesystem",
+        name,
+        root,
+    )
+    return True
