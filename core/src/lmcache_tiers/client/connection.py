@@ -973,5 +973,12 @@ class Connection:
         return None
 
     def _batches(self, count: int) -> Iterator[slice]:
-        for start in range(0, count, self.max_keys):
-            yield slice(start, min(count, start + self.max_keys))
+        # Each part starts where the one before it ended, at the limit the server greeted
+        # last tells: a server greeted meanwhile (by another call of this client) may tell
+        # another, and parts cut at one limit's starts to the other's length would overlap
+        # (keys counted twice) or leave keys out.
+        start = 0
+        while start < count:
+            stop = min(count, start + self.max_keys)
+            yield slice(start, stop)
+            start = stop
