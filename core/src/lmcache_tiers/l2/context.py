@@ -16,9 +16,9 @@ from lmcache_tiers.keycodec import printable
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2.files.layout import record_name
 from lmcache_tiers.l2.record import (
-    RecordCorruptError,
     RecordError,
     RecordHeader,
+    RecordL1SizeError,
     RecordSerdeMismatchError,
     RecordVerdict,
     decode_header,
@@ -254,7 +254,9 @@ class BackendContext:
             reserved,
         )
 
-    def read_record_header(self, data: bytes | memoryview, key: ObjectKey) -> RecordHeader | None:
+    def read_record_header(
+        self, data: bytes | memoryview, key: ObjectKey, *, l1_size_counted: bool = False
+    ) -> RecordHeader | None:
         """Decode and verify a stored header of ``key``.
 
         None: the record is intact but written with another serde chain -- report a miss
@@ -263,6 +265,9 @@ class BackendContext:
         otherwise: hand it to :meth:`kept_record`, which says whether the record is kept
         (another key's intact record, a newer format's: counted there) or damaged (report
         a miss, remove it and ``count("corrupt_records_removed")``).
+
+        ``l1_size_counted``: a read of this record just counted its impossible L1 size
+        (:class:`~lmcache_tiers.l2.record.RecordL1SizeError`), and this one judges it again.
         """
         try:
             header = decode_header(data, expected_key=key, expected_serde=self._state.chain.names)
@@ -270,7 +275,7 @@ class BackendContext:
             written = decode_header(data, expected_key=key).serde
             self._state.mark_unreadable(key, written)
             return None
-        self._check_l1_size(key, header)
+        self._check_l1_size(key, header, counted=l1_size_counted)
         # The loads of the key in their backend call carry it in their results (LoadResult).
         self._state.note_layout(key, header.layout)
         return header
@@ -309,12 +314,12 @@ class BackendContext:
         self._check_l1_size(key, header)
         return header
 
-    def _check_l1_size(self, key: ObjectKey, header: RecordHeader) -> None:
-        """Raise RecordCorruptError (counted as ``record_l1_size_impossible``, logged) for
-        a header whose L1 size no server's object can have: other than the payload's
-        length under a chain that changes no sizes.  It would reserve the wrong room in
-        L1.  The header crc matched, so this is a forged or miswritten record, not a torn
-        one: damaged all the same.
+    def _check_l1_size(self, key: ObjectKey, header: RecordHeader, *, counted: bool = False) -> None:
+        """Raise RecordL1SizeError (counted as ``record_l1_size_impossible`` and logged,
+        unless ``counted``) for a header whose L1 size no server's object can have: other
+        than the payload's length under a chain that changes no sizes.  It would reserve
+        the wrong room in L1.  The header crc matched, so this is a forged or miswritten
+        record, not a torn one: damaged all the same.
 
         A size past this server's L1 is no damage: a server with a larger L1 sharing the
         store may have written it.  ``resolve_size`` makes it a miss here (counted, the
@@ -327,14 +332,15 @@ class BackendContext:
             f"an L1 size of {header.l1_size} bytes for a {header.payload_len}-byte payload, "
             "and the serde chain changes no sizes"
         )
-        self.count("record_l1_size_impossible")
-        self.warn(
-            "record_l1_size_impossible",
-            "the record of %s claims %s; treated as damaged",
-            printable(key.file_stem()),
-            problem,
-        )
-        raise RecordCorruptError(f"record header claims {problem}")
+        if not counted:
+            self.count("record_l1_size_impossible")
+            self.warn(
+                "record_l1_size_impossible",
+                "the record of %s claims %s; treated as damaged",
+                printable(key.file_stem()),
+                problem,
+            )
+        raise RecordL1SizeError(f"record header claims {problem}")
 
     # -- for wrappers -----------------------------------------------------------------------------
 

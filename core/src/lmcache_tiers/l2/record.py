@@ -70,6 +70,11 @@ class RecordCorruptError(RecordError):
     """The header is truncated, has a bad magic or a bad header crc."""
 
 
+class RecordL1SizeError(RecordCorruptError):
+    """The header is intact (its crc matched) but claims an L1 size no object can have
+    (``BackendContext.read_record_header``): forged or miswritten, damaged all the same."""
+
+
 class RecordVersionError(RecordError):
     """The record was written in a format version this code does not read."""
 

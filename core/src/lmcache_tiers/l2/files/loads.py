@@ -12,8 +12,8 @@ after the workers (opening 64 files one after the other there cost about a tenth
 
 Outcomes, one per object, never an exception: True once every payload byte matched the
 header's checksum; False for a miss -- no file, a file of another size (another intact
-object: kept, counted ``load_size_changed``; damage: removed), a record of another serde chain or another key (kept;
-the latter counted ``foreign_records``), a file that
+object: kept, counted ``load_size_changed``; damage: removed), a record of another serde
+chain or another key (kept; the latter counted ``foreign_records``), a file that
 shrank under the read, an I/O error (counted ``load_read_errors``, one line a burst; a
 path running through a file, ENOTDIR, is one too: the tree is damaged or moved aside,
 which the operator must hear of -- a lookup meeting it fails, counted, as only ENOENT is
@@ -62,6 +62,7 @@ from lmcache_tiers.l2.record import (
     MAX_HEADER_LEN,
     RecordError,
     RecordHeader,
+    RecordL1SizeError,
     verify_payload,
 )
 from lmcache_tiers.l2.verified import VERIFY_PIECE, read_and_digest, read_record_file
@@ -128,11 +129,18 @@ class RecordLoads:
         self._scratch = _HeaderScratch()
 
     def load(
-        self, key: ObjectKey, buffer: memoryview, flags: int = 0, read: ReadRecord | None = None
+        self,
+        key: ObjectKey,
+        buffer: memoryview,
+        flags: int = 0,
+        read: ReadRecord | None = None,
+        *,
+        l1_size_counted: bool = False,
     ) -> bool:
         """Load ``key``'s record into ``buffer`` (its exact payload length); True only
         once all of it verified.  ``flags`` are added to the file's open flags
-        (``O_DIRECT``); ``read`` replaces the piecewise buffered read (a direct read)."""
+        (``O_DIRECT``); ``read`` replaces the piecewise buffered read (a direct read).
+        ``l1_size_counted``: a read of the record just counted its impossible L1 size."""
         context = self._context
         if context.closing:
             return False  # the buffer may belong to another object by now
@@ -149,7 +157,7 @@ class RecordLoads:
             return False
 
         def decode(view: memoryview) -> RecordHeader | None:
-            return context.read_record_header(view, key)
+            return context.read_record_header(view, key, l1_size_counted=l1_size_counted)
 
         try:
             # The file is read before it is sized: a file of another size fails the read
@@ -199,6 +207,9 @@ class RecordLoads:
                 continue
             try:
                 record = read_header(header, key)
+            except RecordL1SizeError:  # counted as it was read: load judges it, not counting it again
+                results.append(self.load(key, buffer, l1_size_counted=True))
+                continue
             except RecordError:  # damaged, or another key's: load judges it
                 results.append(self.load(key, buffer))
                 continue
