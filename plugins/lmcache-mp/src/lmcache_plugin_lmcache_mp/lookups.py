@@ -161,7 +161,7 @@ class Lookups:
             # Released once the prefetch reports.  LMCache answers void here too (it frees
             # nothing while the prefetch runs), also for a key it would refuse to free with.
             if key.num_kv_readers >= 1:
-                job.early_frees.append((first, last))
+                job.free_early(first, last)
             return None
         keys = job.keys_of_chunks(first, min(last, job.hits))
         if keys:
@@ -242,9 +242,9 @@ class Lookups:
         if job.retired:
             self._release(job, job.take(list(job.held)))
             return
-        for first, last in job.early_frees:
-            self._release(job, job.take(job.keys_of_chunks(first, min(last, job.hits or 0))))
-        job.early_frees.clear()
+        if job.early_frees:
+            self._release(job, job.take(job.keys_freed_early()))
+            job.early_frees = bytearray()
         self.forget_keys_if_unlocked(job)  # a lookup that hit nothing holds none
 
     def give_back(self, job: LookupJob) -> int:

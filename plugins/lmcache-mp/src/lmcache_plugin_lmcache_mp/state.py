@@ -128,8 +128,9 @@ class LookupJob:
     retired: bool = False  # replaced or ended while a pool thread waited: give back on arrival
     arrived: threading.Event = field(default_factory=threading.Event)
     arrived_hits: int | None = None
-    #: chunk ranges freed (free_lookup_locks) before the hit count was known
-    early_frees: list[tuple[int, int]] = field(default_factory=list)
+    #: chunks freed (free_lookup_locks) before the hit count was known, a flag each (empty:
+    #: none): a chunk freed again takes no more room, however often a client repeats it
+    early_frees: bytearray = field(default_factory=bytearray)
     #: the request it is the lookup of (whose remembered size counts its keys)
     request_id: str = ""
 
@@ -161,6 +162,22 @@ class LookupJob:
 
     def keys_of_chunks(self, first: int, last: int) -> list[ObjectKey]:
         return self.keys[first * self.world_size : last * self.world_size]
+
+    def free_early(self, first: int, last: int) -> None:
+        """Chunks ``first..last-1`` were freed before the hit count was known."""
+        chunks = len(self.keys) // self.world_size
+        last = min(last, chunks)
+        if first < last:
+            if not self.early_frees:
+                self.early_frees = bytearray(chunks)
+            self.early_frees[first:last] = b"\x01" * (last - first)
+
+    def keys_freed_early(self) -> list[ObjectKey]:
+        """The keys of the chunks freed before the hit count was known, within the hits."""
+        freed = self.early_frees[: self.hits or 0]
+        return [
+            key for chunk, flag in enumerate(freed) if flag for key in self.keys_of_chunks(chunk, chunk + 1)
+        ]
 
 
 @dataclass
