@@ -178,10 +178,23 @@ class CircuitBackend(_Guard):
             future.cancel()  # not started yet: it need not run at all
             raise CallTimeout(self.call_timeout_s or 0.0) from None
 
+    def _reading(self, keys: Sequence[ObjectKey]) -> Any:
+        """``contains_many`` of ``keys`` on a helper thread, noted as a read of their
+        records (``AdapterState.reading_begin``) for as long as it runs: left at its
+        timeout, it may judge what it read after its lookup has finished, and a store of
+        a key that landed meanwhile must count as one that may have replaced that record
+        (it is not marked unreadable, nor is the store's entry released)."""
+        state = self.context._state
+        state.reading_begin(keys)
+        try:
+            return self.inner.contains_many(keys)
+        finally:
+            state.reading_end(keys)
+
     def _call(self, method: str, *args: Any) -> Any:
         try:
-            if method == "contains_many":
-                result = self._bounded(lambda: self.inner.contains_many(*args))
+            if method == "contains_many" and self._helpers is not None:
+                result = self._bounded(lambda: self._reading(*args))
             else:
                 result = getattr(self.inner, method)(*args)
         except (Exception, asyncio.CancelledError) as exc:
