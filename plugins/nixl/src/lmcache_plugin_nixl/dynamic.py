@@ -37,6 +37,7 @@ from lmcache_tiers.plugin import (
     ObjectSize,
     check_directory_free,
     identity_of,
+    warn_if_root_folds_case,
 )
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,9 @@ class NixlDynamicBackend:
             if config.use_direct_io:
                 check_direct_io(self.layout.root)
             self.files.remove_temp_files()
+            # Record names are fs's: keys differing only in case share a file where the
+            # filesystem folds case, which is told here and flagged in the stats.
+            self._folds_case = warn_if_root_folds_case(self.layout.root, context.name)
             self._host = HostMemory(runtime, config.backend, context.l1_buffer)
         except BaseException:
             self._dir_lock.release()
@@ -154,7 +158,10 @@ class NixlDynamicBackend:
         return self.files.iter_records(self._records.header_length)
 
     def stats(self) -> dict[str, int]:
-        return self._overdue.stats()
+        """The overdue transfers, and ``case_insensitive_root``: 1 when the directory's
+        filesystem folds letter case in names, so keys that differ only in case replace
+        each other's records (told at start-up too)."""
+        return {**self._overdue.stats(), "case_insensitive_root": int(self._folds_case)}
 
     def capacity(self) -> int:
         return self._capacity
