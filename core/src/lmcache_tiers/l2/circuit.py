@@ -180,16 +180,12 @@ class CircuitBackend(_Guard):
 
     def _reading(self, keys: Sequence[ObjectKey]) -> Any:
         """``contains_many`` of ``keys`` on a helper thread, noted as a read of their
-        records (``AdapterState.reading_begin``) for as long as it runs: left at its
+        records (``BackendContext.reading_records``) for as long as it runs: left at its
         timeout, it may judge what it read after its lookup has finished, and a store of
         a key that landed meanwhile must count as one that may have replaced that record
         (it is not marked unreadable, nor is the store's entry released)."""
-        state = self.context._state
-        state.reading_begin(keys)
-        try:
+        with self.context.reading_records(keys):
             return self.inner.contains_many(keys)
-        finally:
-            state.reading_end(keys)
 
     def _call(self, method: str, *args: Any) -> Any:
         try:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -77,7 +78,8 @@ class BackendContext:
     L1 arena to register once, or None); ``count`` (counters in ``stats()``); the record
     helpers ``record_header`` / ``read_record_header`` (``peek_record_header`` for a
     start-up scan) / ``l1_size_of``; ``closing`` and
-    ``sleep``.  Wrappers build the backend they wrap with ``open_inner``.  ``index``,
+    ``sleep``.  Wrappers build the backend they wrap with ``open_inner``, and note a
+    lookup they may leave running with ``reading_records``.  ``index``,
     ``serde``, ``l1_offset`` and ``facts`` are for factories that return a complete
     :class:`~lmcache_tiers.l2.interface.L2Adapter`.
     """
@@ -186,6 +188,20 @@ class BackendContext:
         self.warn(verdict.counter, "%s: %s; a miss, kept", printable(key.file_stem()), error)
         if release:
             self._state.release_replaced(key)
+
+    @contextmanager
+    def reading_records(self, keys: Sequence[ObjectKey]) -> Iterator[None]:
+        """Note ``keys``' records as being read while the block runs, for a wrapper that
+        calls a lookup on a helper thread and may give it up before it returns (a
+        timeout): the lookup op ends its own note then, and the call left running may
+        still judge what it read.  A store of a key landing meanwhile must count as one
+        that may have replaced that record -- else an old record of another key releases
+        the store's entry, one of another serde chain marks the key a miss over it."""
+        self._state.reading_begin(keys)
+        try:
+            yield
+        finally:
+            self._state.reading_end(keys)
 
     @property
     def closing(self) -> bool:

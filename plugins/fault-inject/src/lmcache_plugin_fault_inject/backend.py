@@ -347,7 +347,7 @@ class FaultInjectBackend(_FaultInjector):
     def contains_many(self, keys: Sequence[ObjectKey]) -> list[Found]:
         failed = self._before("lookup", len(keys)).failed
         asked = list(keys)
-        call = self._lookups.submit(lambda: self.inner.contains_many(asked))
+        call = self._lookups.submit(lambda: self._inner_lookup(asked))
         deadline = time.monotonic() + self.config.lookup_timeout_s
         while True:
             try:
@@ -370,6 +370,13 @@ class FaultInjectBackend(_FaultInjector):
                         f"the inner adapter did not answer a lookup in {self.config.lookup_timeout_s:g} s"
                     ) from None
         return self.lookup_answer(failed, found)
+
+    def _inner_lookup(self, keys: list[ObjectKey]) -> Any:
+        # Noted as a read of the keys' records for as long as it runs: given up at
+        # lookup_timeout_s it goes on, and may judge what it read after a store of a key
+        # landed -- which must count as one that may have replaced that record.
+        with self.context.reading_records(keys):
+            return self.inner.contains_many(keys)
 
     def ping(self) -> None:
         """The circuit breaker's probe: the inner adapter's own ping (a redis cluster asks
