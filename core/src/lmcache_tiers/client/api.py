@@ -462,7 +462,9 @@ class Client(Connection):
         l1_only: bool,
     ) -> int:
         sizes = [array.nbytes for array in arrays]
-        reply = self._call(p.StoreReserve(0, "", keys, sizes, layouts), p.StoreReserveReply)
+        with self._lock:
+            reply = self._call(p.StoreReserve(0, "", keys, sizes, layouts), p.StoreReserveReply)
+            answered_over = self._answered_over
         if len(reply.slots) != len(keys):
             raise ProtocolError(f"STORE_RESERVE answered {len(reply.slots)} slots for {len(keys)} keys")
         reserved = [key for key, slot in zip(keys, reply.slots, strict=True) if slot.offset != p.NO_SLOT]
@@ -501,8 +503,12 @@ class Client(Connection):
             with contextlib.suppress(ClientError), self._lock:
                 self._greet_again_if_dropped()
                 # Reservations whose server is not known (their reply may have come from a
-                # restarted one) are aborted on the server greeted now, which may hold them.
-                if not verified or self._reserved_here(segment):
+                # restarted one) are aborted on the server greeted now, which may hold them
+                # -- unless their reply came over a connection that has dropped since, and
+                # the server greeted now is another one: they went with the old server,
+                # and an abort by key would free the extents of this client's reservations
+                # of the same keys there (another thread's) under their copy.
+                if self._reserved_here(segment) or (not verified and not self._link_lost(answered_over)):
                     self._call(p.StoreAbort(0, "", reserved), p.StoreReply, timeout=self._cleanup_seconds())
             raise
         with self._lock:

@@ -242,6 +242,9 @@ class Connection:
         # that came in early
         self._outstanding: dict[int, int] = {}
         self._early: dict[int, tuple[p.Reply, list[Any]]] = {}
+        # the _link_epoch of the request whose reply was taken last (read under the lock
+        # held across its call): whether the connection it came over has dropped since
+        self._answered_over = 0
         # the id of the last request sent without waiting for its reply (a RELEASE after a
         # timeout, a late reply's follow-up), and of the last request whose reply came
         # (every request is numbered when sent, so a reply to a later one means the server
@@ -612,7 +615,7 @@ class Connection:
         except BaseException:
             self._give_up(request)
             raise
-        del self._outstanding[req_id]
+        self._answered_over = self._outstanding.pop(req_id)
         self._last_answered_id = req_id  # sent after every request before it
         if reply.code != _OK:
             raise self._refusal(reply)
@@ -805,7 +808,7 @@ class Connection:
                 arrived = reply, frames
             else:
                 self._early_or_settle(frames, reply)
-        self._outstanding.pop(req_id, None)
+        self._answered_over = self._outstanding.pop(req_id, sent_at)
         self._last_answered_id = max(self._last_answered_id, req_id)
         reply, frames = arrived
         if reply.code != _OK:
