@@ -78,8 +78,9 @@ class BackendContext:
     L1 arena to register once, or None); ``count`` (counters in ``stats()``); the record
     helpers ``record_header`` / ``read_record_header`` (``peek_record_header`` for a
     start-up scan) / ``l1_size_of``; ``closing`` and
-    ``sleep``.  Wrappers build the backend they wrap with ``open_inner``, and note a
-    lookup they may leave running with ``reading_records``.  ``index``,
+    ``sleep``; ``reading_records`` around a listing's header reads.  Wrappers build the
+    backend they wrap with ``open_inner``, and note a lookup they may leave running with
+    ``reading_records``.  ``index``,
     ``serde``, ``l1_offset`` and ``facts`` are for factories that return a complete
     :class:`~lmcache_tiers.l2.interface.L2Adapter`.
     """
@@ -191,12 +192,14 @@ class BackendContext:
 
     @contextmanager
     def reading_records(self, keys: Sequence[ObjectKey]) -> Iterator[None]:
-        """Note ``keys``' records as being read while the block runs, for a wrapper that
-        calls a lookup on a helper thread and may give it up before it returns (a
-        timeout): the lookup op ends its own note then, and the call left running may
-        still judge what it read.  A store of a key landing meanwhile must count as one
-        that may have replaced that record -- else an old record of another key releases
-        the store's entry, one of another serde chain marks the key a miss over it."""
+        """Note ``keys``' records as being read while the block runs: for a read no lookup
+        or load op notes -- a start-up listing that judges headers with
+        ``read_record_header`` -- and for a lookup a wrapper runs on a helper thread and
+        may give up before it returns (a timeout: the lookup op ends its own note then,
+        and the call left running may still judge what it read).  Begin it before the
+        records are read.  A store of a key landing meanwhile must count as one that may
+        have replaced that record -- else an old record of another key releases the
+        store's entry, one of another serde chain marks the key a miss over it."""
         self._state.reading_begin(keys)
         try:
             yield

@@ -1507,10 +1507,15 @@ class MooncakeStoreBackend:
         objects exactly as this server names other keys: only their headers tell them
         apart.  Neither kind may be accounted here, where eviction would remove them.
         (The lane is taken and given back on the call's own thread, so a call given up at
-        its deadline still holds it until Mooncake is done with it.)"""
+        its deadline still holds it until Mooncake is done with it.)
+
+        The keys' records are noted as being read (``reading_records``) until every one
+        is judged: a store of a key landing after its header was read -- this call left
+        at its deadline, say -- may have replaced that record, and an old one of another
+        serde chain must not mark the key a miss over the store's."""
         kept: dict[str, RecordError | None] = {}
         unread = 0
-        with self.lanes.lane(self.timeout) as lane:
+        with self.context.reading_records([key for key, _ in part]), self.lanes.lane(self.timeout) as lane:
             codes = _read_headers(store, lane, [name for _, name in part])
             for slot, ((key, name), code) in enumerate(zip(part, codes, strict=True)):
                 if code != HEADER_BYTES:
