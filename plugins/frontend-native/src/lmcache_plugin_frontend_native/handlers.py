@@ -83,6 +83,11 @@ GIVEN_UP = "server is shutting down: the request was given up at the stop"
 #: stays within the protocol's 63 bits for 2**62 prefetches
 _HANDLE_BASE_BITS = 62
 
+#: the largest pid a HELLO may report: what ``pid_t`` holds.  The pid is kept for the
+#: connection's STORE_RESERVEs, which open a pidfd on it: one past this made that raise
+#: OverflowError mid-request, after L1 had fenced the reservations no session then held
+_PID_MAX = (1 << 31) - 1
+
 
 class HandlerError(Exception):
     """A request that is well-formed but cannot be served; becomes an ErrorReply."""
@@ -270,6 +275,11 @@ class Handlers:
             raise HandlerError(
                 p.ErrorCode.VERSION_MISMATCH,
                 f"client speaks protocol version {req.version}, this server speaks {p.PROTOCOL_VERSION}",
+            )
+        if not 0 <= req.pid <= _PID_MAX:
+            raise HandlerError(
+                p.ErrorCode.INVALID_ARGUMENT,
+                f"HELLO names pid {req.pid}, which no process can have (0 for none, else 1 to {_PID_MAX})",
             )
         plane = self.data_plane
         reply = p.HelloReply(
