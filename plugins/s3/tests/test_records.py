@@ -523,7 +523,7 @@ def test_a_damaged_record_replaced_before_its_removal_is_kept(
     # the good record again, between the read and the removal
     written_before(monkeypatch, adapter, "call", _removal, lambda: raw.write(key, good))
     stats = damaged_load_keeps_the_new_record(adapter, raw, l1, monkeypatch, key, data, good)
-    assert stats["corrupt_records_removed"] == 1 and stats["corrupt_replaced_before_removal"] == 1
+    assert stats.get("corrupt_records_removed", 0) == 0 and stats["corrupt_replaced_before_removal"] == 1
 
 
 def test_an_empty_object_replaced_before_its_removal_is_kept(
@@ -540,7 +540,7 @@ def test_an_empty_object_replaced_before_its_removal_is_kept(
     assert blocking(adapter).lookup_and_lock([key]).found == [False]  # the empty one was judged
     assert raw.exists(key) and raw.read(key) == good, "the record stored since was removed"
     stats = adapter.stats()
-    assert stats["corrupt_records_removed"] == 1 and stats["corrupt_replaced_before_removal"] == 1
+    assert stats.get("corrupt_records_removed", 0) == 0 and stats["corrupt_replaced_before_removal"] == 1
     monkeypatch.undo()
     result = blocking(adapter).lookup_and_lock([key])
     buffer, _region = fenced(l1, result.sizes[0])

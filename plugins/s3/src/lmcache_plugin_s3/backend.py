@@ -856,28 +856,38 @@ class S3Backend:
                 why,
             )
             return
-        self.context.count("corrupt_records_removed")
-        self.context.warn(
-            "damaged", "s3://%s/%s is damaged (%s); a miss, removed", self.config.bucket, name, why
-        )
         # Read before the removal: a store of the key settling since keeps its own entry.
         accounted = self.context.accounted_size(key) if key is not None else None
         try:
             await self.client.call("delete_object", Key=name, IfMatch=etag)
         except Exception as exc:
             if is_missing_object(exc):
-                return  # removed meanwhile (by another server)
+                self._damaged_removed(name, why)  # removed meanwhile (by another server)
+                return
+            # Counted by what became of it, never as removed: the object is still there.
             if error_code(exc) == "PreconditionFailed":
                 self.context.count("corrupt_replaced_before_removal")
                 self.context.warn(
-                    "replaced", "damaged %s was replaced before its removal; the new object is kept", name
+                    "replaced",
+                    "damaged %s (%s) was replaced before its removal; the new object is kept",
+                    name,
+                    why,
                 )
                 return
             self.context.count("corrupt_remove_failures")
-            self.context.warn("remove", "removing damaged %s failed: %s", name, describe(exc))
+            self.context.warn(
+                "remove", "removing damaged %s (%s) failed: %s; a miss, kept", name, why, describe(exc)
+            )
             return
+        self._damaged_removed(name, why)
         if key is not None:
             self.context.record_removed(key, accounted)
+
+    def _damaged_removed(self, name: str, why: str) -> None:
+        self.context.count("corrupt_records_removed")
+        self.context.warn(
+            "damaged", "s3://%s/%s is damaged (%s); a miss, removed", self.config.bucket, name, why
+        )
 
     async def _each(
         self, op: str, calls: Sequence[Awaitable[T]], *, whole: bool = False
