@@ -68,7 +68,7 @@ TokenOption = Annotated[
         "--auth-token",
         envvar="LMCACHE_TIERS_AUTH_TOKEN",
         callback=client_token,
-        help="Token, if the server requires one.",
+        help="Token, if the server requires one. \\[default: none]",
     ),
 ]
 #: the help of --timeout where a command waits for a server that does not answer yet

@@ -162,7 +162,8 @@ def make_serve(plugin_set: PluginSet) -> Callable[..., None]:
         ),
         shm_name: Optional[str] = typer.Option(
             None,
-            help='Name of the L1 shared-memory segment (default: a unique name); "" turns shared memory off.',
+            help='Name of the L1 shared-memory segment; "" turns shared memory off. '
+            "\\[default: a unique name]",
             rich_help_panel=L1_PANEL,
         ),
         shm_dir: str = typer.Option(
@@ -178,7 +179,8 @@ def make_serve(plugin_set: PluginSet) -> Callable[..., None]:
         ),
         gds_l1_path: Optional[str] = typer.Option(
             None,
-            help="Keep L1 in blocks of a file under this directory (NVMe) instead of memory.",
+            help="Keep L1 in blocks of a file under this directory (NVMe) instead of memory. "
+            "\\[default: none, L1 in memory]",
             rich_help_panel=L1_PANEL,
         ),
         gds_l1_use_direct_io: bool = typer.Option(
@@ -189,7 +191,8 @@ def make_serve(plugin_set: PluginSet) -> Callable[..., None]:
         ),
         l1_init_size_gb: Optional[float] = typer.Option(
             None,
-            help="Accepted for LMCache command lines: L1 is allocated and pre-faulted whole at start-up.",
+            help="Accepted for LMCache command lines: L1 is allocated and pre-faulted whole at start-up. "
+            "\\[default: none]",
             rich_help_panel=L1_PANEL,
         ),
         eviction_policy: str = typer.Option(
@@ -208,7 +211,8 @@ def make_serve(plugin_set: PluginSet) -> Callable[..., None]:
         l2_adapter: Optional[list[str]] = typer.Option(  # noqa: B008 - typer declares options so
             None,
             metavar="JSON",
-            help=f'L2 adapter as JSON with a "type" (installed: {adapter_types}); repeat for a cascade.',
+            help=f'L2 adapter as JSON with a "type" (installed: {adapter_types}); repeat for a cascade. '
+            "\\[default: the embedded default L2 described above, unless --config lists adapters]",
             rich_help_panel=L2_PANEL,
         ),
         l2_store_policy: str = typer.Option(_D.l2_store_policy, help=store, rich_help_panel=L2_PANEL),
@@ -228,7 +232,8 @@ def make_serve(plugin_set: PluginSet) -> Callable[..., None]:
             None,
             metavar="JSON",
             help=f'Front end as JSON with a "type" (installed: {frontend_types}); repeat to serve several '
-            "protocols at once. Without it the native one serves on --host/--port.",
+            "protocols at once. \\[default: the native one on --host/--port, unless --config lists "
+            "front ends]",
             rich_help_panel=RPC_PANEL,
         ),
         host: str = typer.Option(
@@ -261,7 +266,7 @@ def make_serve(plugin_set: PluginSet) -> Callable[..., None]:
         auth_token: Optional[str] = typer.Option(
             None,
             envvar="LMCACHE_TIERS_AUTH_TOKEN",
-            help="Token clients must send; required off loopback.",
+            help="Token clients must send; required off loopback. \\[default: none]",
             rich_help_panel=RPC_PANEL,
         ),
         supported_transfer_mode: Optional[str] = typer.Option(
@@ -269,7 +274,7 @@ def make_serve(plugin_set: PluginSet) -> Callable[..., None]:
             callback=compat.value_check(*compat.VALUE_CHECKED["--supported-transfer-mode"]),
             metavar="engine_driven|auto",
             help="Accepted for LMCache command lines: clients always copy into the L1 segment "
-            "themselves (engine-driven) or send bytes inline.",
+            "themselves (engine-driven) or send bytes inline. \\[default: none]",
             rich_help_panel=RPC_PANEL,
         ),
         metrics_host: str = typer.Option(
@@ -288,7 +293,7 @@ def make_serve(plugin_set: PluginSet) -> Callable[..., None]:
         ),
         prometheus_port: Optional[int] = typer.Option(
             None,
-            help="LMCache's name for the /metrics port: the same as --metrics-port.",
+            help="LMCache's name for the /metrics port: the same as --metrics-port. \\[default: none]",
             rich_help_panel=HTTP_PANEL,
         ),
         disable_metrics: bool = typer.Option(
@@ -302,7 +307,7 @@ def make_serve(plugin_set: PluginSet) -> Callable[..., None]:
             "--config",
             help=(
                 "TOML file with the same keys (underscored): a regular file, or a pipe "
-                f"(<(...), /dev/stdin) its writer ends within {CONFIG_PIPE_WAIT_S:g} s."
+                f"(<(...), /dev/stdin) its writer ends within {CONFIG_PIPE_WAIT_S:g} s. \\[default: none]"
             ),
         ),
         print_config: bool = typer.Option(
