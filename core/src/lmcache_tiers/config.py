@@ -262,6 +262,19 @@ class FrontendConfig(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_
         L1 exists.  The default checks that the address is one ZeroMQ can bind."""
         self.endpoint(server)
 
+    def check_pool_bound(self, server: ServerConfig, largest: int, options: str) -> None:
+        """Raise ConfigError when the server's ``frontend_pool_max_mb`` holds less than
+        ``largest``, the bytes of the largest request this front end reads (``options``:
+        the options that set it).  Such a request is still read and served, alone: the
+        bound would only serve the largest requests one at a time, which a configuration
+        never means."""
+        if server.frontend_pool_max_mb << 20 < largest:
+            raise ConfigError(
+                f"frontend_pool_max_mb {server.frontend_pool_max_mb} (MiB, --frontend-pool-max-mb) "
+                f"holds less than the largest request this front end takes ({largest} bytes, "
+                f"{options}): raise it, or lower {options}"
+            )
+
 
 class FrontendSpec(ComponentConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """A resolved ``--frontend``: the front-end type and its decoded config."""

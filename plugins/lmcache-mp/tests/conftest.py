@@ -20,16 +20,23 @@ from lmcache_tiers.testing.server import make_server
 __all__ = ["make_server"]
 
 
+#: options of ``make_mp_server`` that are the server's, not the lmcache_mp front end's
+_SERVER_OPTIONS = (
+    "l1_size_gb",
+    "chunk_size",
+    "l1_lock_ttl_s",
+    "l1_write_ttl_s",
+    "shutdown_timeout_s",
+    "frontend_pool_max_mb",
+)
+
+
 @pytest.fixture
 def make_mp_server(make_server: Callable[..., TiersServer]) -> Callable[..., TiersServer]:
     """A server whose front ends are lmcache_mp (options as given) and native."""
 
     def factory(*, adapters: list[str] | None = None, **options: object) -> TiersServer:
-        config = {
-            key: options.pop(key)
-            for key in list(options)
-            if key in ("l1_size_gb", "chunk_size", "l1_lock_ttl_s", "l1_write_ttl_s", "shutdown_timeout_s")
-        }
+        config = {key: options.pop(key) for key in list(options) if key in _SERVER_OPTIONS}
         frontends = [{"type": "lmcache_mp", **options}, {"type": "native"}]
         return make_server(adapters=adapters, frontends=frontends, **config)
 

@@ -193,7 +193,8 @@ def test_a_frame_limit_zeromq_cannot_take_is_a_config_error(make_mp_server: Any)
     configuration, not crash the start-up in setsockopt."""
     with pytest.raises(msgspec.ValidationError, match="max_message_mb"):
         msgspec.convert({"max_message_mb": 1 << 43}, LMCacheMPConfig)
-    server = make_mp_server(max_message_mb=4096)  # the largest accepted limit starts
+    # The largest accepted limit starts (with a pool bound that holds one such message).
+    server = make_mp_server(max_message_mb=4096, frontend_pool_max_mb=4096)
     with MPClient(mp_address(server)) as client:
         assert client.call("noop") == "OK"
 

@@ -38,7 +38,16 @@ def test_pickled_stores_past_the_byte_bound_wait_unread_then_are_all_stored(
 ) -> None:
     assert CHUNKS * REG.object_bytes == 256 << 10
     server = make_server(
-        frontends=[{"type": "lmcache_mp", "shm": False, "allow_pickle": True, "workers": 1}],
+        frontends=[
+            # max_message_mb within the bound: a bound under it is refused at start-up
+            {
+                "type": "lmcache_mp",
+                "shm": False,
+                "allow_pickle": True,
+                "workers": 1,
+                "max_message_mb": BOUND_MB,
+            }
+        ],
         frontend_pool_max_mb=BOUND_MB,
     )
     storage, frontend = server.storage, server.frontends[0]

@@ -60,15 +60,8 @@ class NativeConfig(FrontendConfig, kw_only=True, frozen=True, forbid_unknown_fie
 
     def check(self, server: ServerConfig, auth_token: str | None) -> None:
         self.endpoint(server)
-        # A request larger than the byte bound is still read and served, alone: the bound
-        # would only serialise the largest requests, which a configuration never means.
         largest = max(self.max_request_bytes, self.max_inline_bytes)  # what the loop takes
-        if server.frontend_pool_max_mb << 20 < largest:
-            raise ConfigError(
-                f"frontend_pool_max_mb {server.frontend_pool_max_mb} (MiB, --frontend-pool-max-mb) "
-                f"holds less than the largest request this front end takes ({largest} bytes, "
-                "max_request_bytes or max_inline_bytes): raise it, or lower those"
-            )
+        self.check_pool_bound(server, largest, "max_request_bytes or max_inline_bytes")
         host, _ = self.address(server)
         if not is_loopback(host) and not auth_token:
             raise ConfigError(

@@ -118,6 +118,8 @@ class LMCacheMPConfig(FrontendConfig, kw_only=True, frozen=True, forbid_unknown_
 
     def check(self, server: ServerConfig, auth_token: str | None) -> None:
         self.endpoint(server)
+        # The largest message the loop reads: a commit_store's pickled chunks.
+        self.check_pool_bound(server, self.max_message_mb << 20, "max_message_mb")
         host, _ = self.address(server)
         if not is_loopback(host) and not self.allow_remote:
             raise ConfigError(
