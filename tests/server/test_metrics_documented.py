@@ -374,6 +374,7 @@ def _dynamic_adapter_stats(trees: dict[str, ast.Module]) -> dict[tuple[str, str]
     from lmcache_tiers.l2.record import RecordVerdict
 
     ops = f"{ADAPTER_CORE}/ops.py"
+    every_tree = _source_files()
     return {
         # the counter of a key reported gone, or skipped before the backend call
         (ops, "counter"): _constant_args(trees, [ops], "_report_gone", 2)
@@ -383,6 +384,10 @@ def _dynamic_adapter_stats(trees: dict[str, ast.Module]) -> dict[tuple[str, str]
         },
         (f"{ADAPTER_CORE}/circuit.py", "_REFUSED[method]"): set(_REFUSED.values()),
         (f"{ADAPTER_CORE}/context.py", "verdict.counter"): {verdict.counter for verdict in RecordVerdict},
+        # the counter each adapter names when it makes its ``DeleteMarks``
+        (f"{ADAPTER_CORE}/marks.py", "self._counter"): _constant_args(
+            every_tree, list(every_tree), "DeleteMarks", 1
+        ),
     }
 
 
