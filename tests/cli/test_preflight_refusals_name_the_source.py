@@ -12,7 +12,8 @@ from thirdparty import free_port, run_cli
 NARROW = {"COLUMNS": "40"}
 
 
-def _serve_refused(args: list[str], size: list[str] | None = None) -> str:
+def _serve_refused(args: list[str], size: list[str] | None = None, port: bool = True) -> str:
+    """``port``: give --port (not where every front end gives its own: it is then refused)."""
     shm = f"tiers_named_{uuid.uuid4().hex[:10]}"
     result = run_cli(
         [
@@ -21,8 +22,7 @@ def _serve_refused(args: list[str], size: list[str] | None = None) -> str:
             *(["--l1-size-gb", "0.25"] if size is None else size),
             "--shm-name",
             shm,
-            "--port",
-            str(free_port()),
+            *(["--port", str(free_port())] if port else []),
             *args,
         ],
         **NARROW,
@@ -94,7 +94,7 @@ def test_a_front_end_port_in_use_set_in_the_config_file_is_named_by_the_file(
 ) -> None:
     config = tmp_path / "server.toml"
     config.write_text(f'[[frontends]]\ntype = "native"\nport = {taken_port}\n')
-    line = _serve_refused(["--metrics-port", "0", "--config", str(config)])
+    line = _serve_refused(["--metrics-port", "0", "--config", str(config)], port=False)
     in_use = f"$.frontends[0].port {taken_port}: 127.0.0.1:{taken_port} is already in use"
     assert line.startswith(f"error: --config {config}: {in_use}"), line
 
@@ -105,6 +105,8 @@ def test_a_front_end_port_in_use_set_by_its_flag_does_not_name_the_config_file(
     config = tmp_path / "server.toml"
     config.write_text('[[frontends]]\ntype = "native"\n')
     frontend = f'{{"type": "native", "port": {taken_port}}}'
-    line = _serve_refused(["--metrics-port", "0", "--config", str(config), "--frontend", frontend])
+    line = _serve_refused(
+        ["--metrics-port", "0", "--config", str(config), "--frontend", frontend], port=False
+    )
     in_use = f"$.frontends[0].port {taken_port}: 127.0.0.1:{taken_port} is already in use"
     assert line.startswith(f"error: {in_use}"), line

@@ -530,6 +530,24 @@ def refuse_segment_settings_with_nvme_l1(config: ServerConfig, explicit: Iterabl
     )
 
 
+def refuse_listener_settings_no_front_end_uses(config: ServerConfig, explicit: Iterable[str]) -> None:
+    """``host`` and ``port`` are the address of the front ends that give none of their own:
+    given (``explicit``: the fields a flag or the ``--config`` file set) while every front
+    end gives its own, they would be used by nothing, without a word.  SettingRefused
+    naming the field."""
+    given = set(explicit)
+    if not config.frontends:
+        return  # none installed: start-up refuses that, saying so
+    for field in ("host", "port"):
+        if field in given and all(getattr(spec.config, field) is not None for spec in config.frontends):
+            raise SettingRefused(
+                field,
+                getattr(config, field),
+                f"every front end gives its own {field}, so none listens on this one; drop it, "
+                f'or leave "{field}" out of the front end that should take it',
+            )
+
+
 def warn_unused_broken_plugins(plugin_set: PluginSet) -> None:
     """One line per broken plugin once the configuration resolved without it.
 
@@ -577,6 +595,7 @@ def run_serve(
     try:
         resolved = build_config(plugin_set.registry, file_values, overrides, adapters, params["frontend"])
         refuse_segment_settings_with_nvme_l1(resolved, [*overrides, *file_values])
+        refuse_listener_settings_no_front_end_uses(resolved, [*overrides, *file_values])
         if uses_default_l2 and not params["print_config"]:
             if file_values["l2_adapters"]:
                 # A second default server gets a hint, not the directory-lock refusal the
