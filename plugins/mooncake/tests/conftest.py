@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # up; the 0.3.13 wheel still binds its listening ports to all interfaces).
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 
+from closing_in_turn import ClosingInTurn
 from lmcache_plugin_mooncake.cluster import LocalCluster, unavailable_reason
 from mooncake_helpers import raw_client
 
@@ -72,6 +73,16 @@ def _own_cluster(
         for host in list(cluster.segment_hosts):
             cluster.kill_segment_host(host)
         cluster.kill_master()
+
+
+@pytest.fixture(scope="module")
+def closing() -> Iterator[ClosingInTurn]:
+    """Adapters on ``mooncake_pool`` whose tests ended, closed a few at a time (a Mooncake
+    client's close holds the process until the client next wakes, once a second); all by
+    the end of the module."""
+    closing = ClosingInTurn()
+    yield closing
+    closing.close_all()
 
 
 @pytest.fixture(scope="module")

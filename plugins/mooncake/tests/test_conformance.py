@@ -13,6 +13,7 @@ import signal
 from collections.abc import Iterator
 
 import pytest
+from closing_in_turn import ClosingInTurn
 from lmcache_plugin_mooncake import MooncakeStoreConfig
 from lmcache_plugin_mooncake.cluster import LocalCluster
 from mooncake_helpers import Xor, config_for
@@ -35,8 +36,21 @@ class TestMooncakeStore(L2AdapterSuite):
     capabilities = frozenset({PERSISTENCE, CAPACITY, EVICTION, BACKEND_FAILURES})
 
     @pytest.fixture(autouse=True)
-    def _cluster(self, mooncake_pool: LocalCluster) -> None:
+    def _cluster(self, mooncake_pool: LocalCluster, closing: ClosingInTurn) -> None:
         self.cluster = mooncake_pool
+        self.closing = closing
+
+    @pytest.fixture
+    def opened(self, closing: ClosingInTurn, request: pytest.FixtureRequest) -> Iterator[list[L2Adapter]]:
+        """Every adapter a test opened, closed after it with the next few tests' ones."""
+        adapters: list[L2Adapter] = []
+        yield adapters
+        closing.done(adapters, request.node.nodeid)
+
+    def open_adapter(self, config: L2AdapterConfig, l1_buffer: memoryview) -> L2Adapter:
+        adapter = super().open_adapter(config, l1_buffer)
+        self.closing.opened(adapter)
+        return adapter
 
     @contextlib.contextmanager
     def failing_storage(self, adapter: L2Adapter) -> Iterator[None]:

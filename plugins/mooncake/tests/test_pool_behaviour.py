@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from closing_in_turn import ClosingInTurn, NotedAsOpened
 from lmcache_plugin_mooncake.backend import PARALLEL_MIN_BYTES, MooncakeError
 from lmcache_plugin_mooncake.cluster import LocalCluster
 from lmcache_plugin_mooncake.headers import HEADER_BYTES, KEYS_PER_LANE
@@ -42,11 +43,12 @@ class Trailer:
 
 
 @pytest.fixture
-def adapters() -> Iterator[list[BackendAdapter]]:
-    opened: list[BackendAdapter] = []
+def adapters(closing: ClosingInTurn, request: pytest.FixtureRequest) -> Iterator[list[BackendAdapter]]:
+    """The adapters a test opened on ``mooncake_pool``, closed after it with the next few
+    tests' ones."""
+    opened: NotedAsOpened[BackendAdapter] = NotedAsOpened(closing)
     yield opened
-    for adapter in opened:
-        adapter.close()
+    closing.done(opened, request.node.nodeid)
 
 
 def store(adapter: BackendAdapter, keys: list[ObjectKey], size: int = SIZE, seed: int = 0) -> list[bytes]:
