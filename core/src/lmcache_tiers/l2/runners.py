@@ -4,7 +4,8 @@ Both runners run a batch operation the same way -- ``prepare``, the backend call
 ``finish``, publish -- and differ only in how the call is made:
 
 * :class:`ThreadRunner`: each operation kind (store, lookup, load) has its own worker
-  thread(s), so a long store never delays a lookup; ``delete`` and listings run on the
+  thread(s), so a long store never delays a lookup, each task going to the one idle the
+  shortest time (:mod:`~lmcache_tiers.l2.handoff`); ``delete`` and listings run on the
   caller's thread;
 * :class:`LoopRunner`: one asyncio loop on its own thread, at most ``concurrency`` calls
   in flight; serde work of size-changing chains runs in the loop's executor so CPU-heavy
@@ -29,6 +30,7 @@ from typing import Any, ClassVar, TypeVar
 from lmcache_tiers.errors import PluginBaseException, awaiting_plugin_code, plugin_code
 from lmcache_tiers.l2.background import WRITE_BACK, WRITE_BACK_NICE
 from lmcache_tiers.l2.calls import call, call_async, optional_method
+from lmcache_tiers.l2.handoff import Empty, HandOff, Worker
 from lmcache_tiers.l2.interface import L2Op
 from lmcache_tiers.l2.loop_watch import LoopWatch
 from lmcache_tiers.l2.ops import BatchOp
@@ -273,7 +275,7 @@ class ThreadRunner(Runner):
     def __init__(self, state: AdapterState, backend: object, publish: Publish, workers: int) -> None:
         super().__init__(state, backend, publish)
         self.workers = max(1, workers)
-        self._queues: dict[L2Op, queue.SimpleQueue[tuple[int, BatchOp] | None]] = {}
+        self._queues: dict[L2Op, HandOff[tuple[int, BatchOp] | None]] = {}
         self._threads: list[threading.Thread] = []
 
     def open(self, timeout: float) -> None:
@@ -281,7 +283,7 @@ class ThreadRunner(Runner):
         if opener is not None:
             opener()
         for op in L2Op:
-            jobs: queue.SimpleQueue[tuple[int, BatchOp] | None] = queue.SimpleQueue()
+            jobs: HandOff[tuple[int, BatchOp] | None] = HandOff()
             self._queues[op] = jobs
             for number in range(self.workers):
                 thread = threading.Thread(
@@ -304,19 +306,28 @@ class ThreadRunner(Runner):
             outcome = op.finish(result)
         return outcome
 
-    def _work(self, jobs: queue.SimpleQueue[tuple[int, BatchOp] | None], background: bool = False) -> None:
+    def _work(self, jobs: HandOff[tuple[int, BatchOp] | None], background: bool = False) -> None:
         if background:
             # Write-back is background work: idle while it keeps up, nice 10 when the store
             # controller reports it behind (l2/background.py).  Linux applies both to the
             # one thread named.
             WRITE_BACK.enter()
+        me: Worker[tuple[int, BatchOp] | None] = Worker()
         try:
-            while (item := jobs.get()) is not None:
+            item = jobs.get(me)
+            while item is not None:
                 task_id, op = item
+                ready = False
                 try:
-                    self.publish(task_id, op, self._execute(op))
+                    outcome = self._execute(op)
+                    # Idle before the result wakes its waiter, who may submit the next
+                    # task at once: that task is then this thread's (handoff.py).
+                    jobs.ready(me)
+                    ready = True
+                    self.publish(task_id, op, outcome)
                 except BaseException:  # never let one task kill the worker
                     self._crashed(task_id)
+                item = jobs.next(me) if ready else jobs.get(me)
         finally:
             if background:
                 WRITE_BACK.leave()
@@ -338,7 +349,7 @@ class ThreadRunner(Runner):
             while True:
                 try:
                     item = jobs.get_nowait()
-                except queue.Empty:
+                except Empty:
                     break
                 if item is not None and self.state.board.fail(item[0]):
                     dropped += 1
