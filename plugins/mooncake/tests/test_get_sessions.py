@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from closing_in_turn import ClosingInTurn
 from lmcache_plugin_mooncake.backend import MooncakeStoreBackend
 from lmcache_plugin_mooncake.cluster import LocalCluster
 from lmcache_plugin_mooncake.headers import HEADER_BYTES, address_of
@@ -32,10 +33,13 @@ def arena() -> memoryview:
 
 
 @pytest.fixture
-def adapter(mooncake_pool: LocalCluster, arena: memoryview) -> Iterator[BackendAdapter]:
+def adapter(
+    mooncake_pool: LocalCluster, arena: memoryview, closing: ClosingInTurn, request: pytest.FixtureRequest
+) -> Iterator[BackendAdapter]:
     opened = open_adapter(config_for(mooncake_pool), l1_buffer=arena)
+    closing.opened(opened)
     yield opened
-    opened.close()
+    closing.done([opened], request.node.nodeid)
 
 
 def test_loads_of_the_same_keys_at_once_all_hit_and_end_every_session(

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from closing_in_turn import ClosingInTurn
 from lmcache_plugin_mooncake.cluster import LocalCluster, NotedCalls
 from lmcache_plugin_mooncake.headers import HEADER_BYTES
 from mooncake_helpers import backend_of, config_for, open_adapter
@@ -30,10 +31,13 @@ def arena() -> memoryview:
 
 
 @pytest.fixture
-def adapter(mooncake_pool: LocalCluster, arena: memoryview) -> Iterator[BackendAdapter]:
+def adapter(
+    mooncake_pool: LocalCluster, arena: memoryview, closing: ClosingInTurn, request: pytest.FixtureRequest
+) -> Iterator[BackendAdapter]:
     opened = open_adapter(config_for(mooncake_pool), l1_buffer=arena)
+    closing.opened(opened)
     yield opened
-    opened.close()
+    closing.done([opened], request.node.nodeid)
 
 
 def _slots(arena: memoryview, sizes: list[int]) -> list[memoryview]:

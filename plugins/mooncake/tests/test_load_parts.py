@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from closing_in_turn import ClosingInTurn
 from lmcache_plugin_mooncake import backend as backend_module
 from lmcache_plugin_mooncake.cluster import LocalCluster, NotedCalls
 from lmcache_plugin_mooncake.headers import HEADER_BYTES
@@ -35,7 +36,11 @@ def arena() -> memoryview:
 
 @pytest.fixture
 def adapter(
-    mooncake_pool: LocalCluster, arena: memoryview, monkeypatch: pytest.MonkeyPatch
+    mooncake_pool: LocalCluster,
+    arena: memoryview,
+    monkeypatch: pytest.MonkeyPatch,
+    closing: ClosingInTurn,
+    request: pytest.FixtureRequest,
 ) -> Iterator[BackendAdapter]:
     monkeypatch.setattr(backend_module, "LOAD_PART_MIN_BYTES", PART_MIN_BYTES, raising=False)
     # two cores whatever the machine: a helper thread verifies while the next part is read
@@ -43,8 +48,9 @@ def adapter(
     opened = open_adapter(config_for(mooncake_pool), l1_buffer=arena)
     monkeypatch.undo()
     monkeypatch.setattr(backend_module, "LOAD_PART_MIN_BYTES", PART_MIN_BYTES, raising=False)
+    closing.opened(opened)
     yield opened
-    opened.close()
+    closing.done([opened], request.node.nodeid)
 
 
 def _load(adapter: BackendAdapter, keys: list[ObjectKey], targets: list[memoryview]) -> list[bool]:
