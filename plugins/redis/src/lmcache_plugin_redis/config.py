@@ -124,7 +124,9 @@ class RedisConfig(L2AdapterConfig):
     cluster_mode: Annotated[bool, _doc("Connect to a Redis Cluster (seeded from startup_nodes or url).")] = (
         False
     )
-    username: Annotated[str | None, _doc("ACL user name; never printed.")] = None
+    username: Annotated[
+        str | None, _doc("ACL user name (printed by --print-config; the password never is).")
+    ] = None
     password: Annotated[str | None, _doc("Password; never logged nor printed.")] = None
     database_id: Annotated[
         Annotated[int, msgspec.Meta(ge=0)] | None,
