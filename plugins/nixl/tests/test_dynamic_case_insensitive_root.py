@@ -11,85 +11,30 @@ skipped with the reason otherwise)."""
 
 from __future__ import annotations
 
-import logging
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from nixl_helpers import Arena, client, dynamic_config, open_dynamic, scratch_dir
+from nixl_helpers import dynamic_config, open_dynamic, scratch_dir
 
-from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.testing.files import load_data, store_data
-from lmcache_tiers.testing.l2 import pattern
-from lmcache_tiers.testing.mounts import CaseInsensitiveMount, case_insensitive_at
+from lmcache_tiers.l2 import L2Adapter
+from lmcache_tiers.testing.files import (
+    check_case_insensitive_root_told_and_flagged,
+    check_case_sensitive_root_not_flagged,
+)
 
 SIZE = 64 << 10
-FLAG = "case_insensitive_root"
 
 
-@pytest.fixture
-def case_insensitive(tmp_path: Path) -> Iterator[CaseInsensitiveMount]:
-    """A freshly made case-insensitive filesystem, unmounted afterwards."""
-    with case_insensitive_at(str(tmp_path)) as mounted:
-        if isinstance(mounted, str):
-            print(mounted)
-            pytest.skip(mounted)
-        yield mounted
-
-
-def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [
-        r.getMessage()
-        for r in caplog.records
-        if r.levelno >= logging.WARNING and "letter case" in r.getMessage()
-    ]
+def _open(root: str, arena: memoryview) -> L2Adapter:
+    return open_dynamic(dynamic_config(root), arena)
 
 
 def test_a_case_insensitive_directory_is_told_at_start_and_flagged(
-    case_insensitive: CaseInsensitiveMount, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    root = os.path.join(case_insensitive.path, "kv")
-    arena = Arena()
-    upper = ObjectKey("Llama", 0, b"\x07" * 32)
-    lower = ObjectKey("llama", 0, b"\x07" * 32)
-    with caplog.at_level(logging.INFO):
-        adapter = open_dynamic(dynamic_config(root), arena.view)
-    try:
-        (line,) = _warnings(caplog)
-        assert root in line and "cache_salt" in line
-        assert adapter.stats()[FLAG] == 1
-        assert os.listdir(root) == [], "the probe leaves no file"
-        # What the line warns of: the second store replaces the first key's record.
-        assert store_data(adapter, arena, [upper], [pattern(0, SIZE)]) == [True]
-        assert store_data(adapter, arena, [lower], [pattern(1, SIZE)]) == [True]
-        assert len(os.listdir(root)) == 1, "both keys' records are one file"
-    finally:
-        adapter.close()
-    case_insensitive.remount()
-    caplog.clear()
-    with caplog.at_level(logging.INFO):
-        adapter = open_dynamic(dynamic_config(root), arena.view)
-    try:
-        assert len(_warnings(caplog)) == 1, "told at every start"
-        assert adapter.stats()[FLAG] == 1
-        # After a restart the replaced key is a miss (never the other key's bytes) ...
-        assert client(adapter).lookup_and_lock([upper]).found == [False]
-        # ... and the key stored last is served.
-        assert client(adapter).lookup_and_lock([lower]).found == [True]
-        assert load_data(adapter, arena, [lower], [SIZE]) == ([True], [pattern(1, SIZE)])
-        adapter.unlock([lower])
-    finally:
-        adapter.close()
+    check_case_insensitive_root_told_and_flagged(str(tmp_path), _open, caplog, SIZE)
 
 
 def test_a_case_sensitive_directory_is_not_flagged(caplog: pytest.LogCaptureFixture) -> None:
-    arena = Arena()
-    with scratch_dir() as root, caplog.at_level(logging.INFO):
-        adapter = open_dynamic(dynamic_config(root), arena.view)
-        try:
-            assert _warnings(caplog) == []
-            assert adapter.stats()[FLAG] == 0
-            assert os.listdir(root) == [], "the probe leaves no file"
-        finally:
-            adapter.close()
+    with scratch_dir() as root:
+        check_case_sensitive_root_not_flagged(root, _open, caplog)

@@ -1,8 +1,9 @@
 """Test helpers for file-backed adapters: a page-aligned arena, store/load helpers, a
 scratch-directory fixture, a small filesystem and the full-disk check they all pass, the
-check of a write error reported only at a file's close, another process holding a
-directory's (or device's) lock as a running server does, and a store directory made to
-fail (``directory_replaced_by_file``, for ``failing_storage``).
+check of a write error reported only at a file's close, the checks of a root on a
+filesystem that does not tell letter case apart (and of one that does), another process
+holding a directory's (or device's) lock as a running server does, and a store directory
+made to fail (``directory_replaced_by_file``, for ``failing_storage``).
 
 ``small_tmpfs`` mounts a tmpfs of a few MiB so tests can fill a filesystem for real
 (ENOSPC, not a mock); it needs root and skips, with the reason printed, otherwise.
@@ -29,10 +30,13 @@ from lmcache_tiers.l2 import L2Adapter
 from lmcache_tiers.l2.files import is_temp_name
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2_support import make_keys, pattern
+from lmcache_tiers.testing.mounts import case_insensitive_at
 
 __all__ = [
     "AlignedArena",
     "ScratchDirectory",
+    "check_case_insensitive_root_told_and_flagged",
+    "check_case_sensitive_root_not_flagged",
     "check_close_error_fails_store",
     "check_full_disk_batch",
     "directory_replaced_by_file",
@@ -296,3 +300,80 @@ def check_close_error_fails_store(
             adapter.unlock(keys)
         finally:
             adapter.close()
+
+
+#: the stats flag of an adapter whose root does not tell letter case apart in names
+CASE_INSENSITIVE_FLAG = "case_insensitive_root"
+
+
+def _letter_case_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and "letter case" in r.getMessage()
+    ]
+
+
+def check_case_insensitive_root_told_and_flagged(
+    directory: str,
+    open_adapter: Callable[[str, memoryview], L2Adapter],
+    caplog: pytest.LogCaptureFixture,
+    size: int,
+) -> None:
+    """On a real case-insensitive filesystem made under ``directory`` (skipped, the reason
+    printed, where none can be mounted): an adapter opened on a root there says so in one
+    warning line naming the root and cache_salt, at every start, and flags it in its stats;
+    its probe leaves no file; of two keys differing only in letter case, the one stored
+    last replaced the other's record, which is a miss after a restart, never its bytes."""
+    with case_insensitive_at(directory) as mounted:
+        if isinstance(mounted, str):
+            print(mounted)
+            pytest.skip(mounted)
+        root = os.path.join(mounted.path, "kv")
+        arena = AlignedArena()
+        upper = ObjectKey("Llama", 0, b"\x07" * 32)
+        lower = ObjectKey("llama", 0, b"\x07" * 32)
+        with caplog.at_level(logging.INFO):
+            adapter = open_adapter(root, arena.view)
+        try:
+            (line,) = _letter_case_warnings(caplog)
+            assert root in line and "cache_salt" in line
+            assert adapter.stats()[CASE_INSENSITIVE_FLAG] == 1
+            assert os.listdir(root) == [], "the probe leaves no file"
+            # What the line warns of: the second store replaces the first key's record.
+            assert store_data(adapter, arena, [upper], [pattern(0, size)]) == [True]
+            assert store_data(adapter, arena, [lower], [pattern(1, size)]) == [True]
+            assert len(os.listdir(root)) == 1, "both keys' records are one file"
+        finally:
+            adapter.close()
+        mounted.remount()
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            adapter = open_adapter(root, arena.view)
+        try:
+            assert len(_letter_case_warnings(caplog)) == 1, "told at every start"
+            assert adapter.stats()[CASE_INSENSITIVE_FLAG] == 1
+            # After a restart the replaced key is a miss (never the other key's bytes) ...
+            assert _client(adapter).lookup_and_lock([upper]).found == [False]
+            # ... and the key stored last is served.
+            assert _client(adapter).lookup_and_lock([lower]).found == [True]
+            assert load_data(adapter, arena, [lower], [size]) == ([True], [pattern(1, size)])
+            adapter.unlock([lower])
+        finally:
+            adapter.close()
+
+
+def check_case_sensitive_root_not_flagged(
+    root: str, open_adapter: Callable[[str, memoryview], L2Adapter], caplog: pytest.LogCaptureFixture
+) -> None:
+    """An adapter opened on ``root``, on a filesystem telling letter case apart, warns of
+    nothing, leaves its flag down and its probe no file."""
+    arena = AlignedArena()
+    with caplog.at_level(logging.INFO):
+        adapter = open_adapter(root, arena.view)
+    try:
+        assert _letter_case_warnings(caplog) == []
+        assert adapter.stats()[CASE_INSENSITIVE_FLAG] == 0
+        assert os.listdir(root) == [], "the probe leaves no file"
+    finally:
+        adapter.close()
