@@ -6,6 +6,7 @@ deadline, after which the pool drains and the loop reads that request."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,28 +26,68 @@ STALL_LIMIT_S = 60.0
 JOIN_S = 30.0
 
 
-class PoolServer:
-    """A RouterLoop with one pool thread, serving messages of one frame: ``b"pool"`` runs
-    on the pool until the gate opens, ``b"wait"`` on the pool until a later ``b"wake"``
-    (handled on the loop) or its deadline, anything else is echoed from the loop."""
+class GatedPoolLoop:
+    """A RouterLoop with one pool thread, its bounds as given, started with
+    ``_receive_one`` as its reader; ``gate`` holds the work a subclass puts on the pool,
+    and the stop opens it."""
 
-    def __init__(self, *, wait_deadline_s: float = STALL_LIMIT_S) -> None:
+    def __init__(self, max_pool_requests: int, max_pool_bytes: int | None = None) -> None:
         self.stats = FrontendStats()
         self.router = RouterLoop(
             "tcp://127.0.0.1:0",
             name="t",
             stats=self.stats,
             pool_workers=1,
-            max_pool_requests=BOUND,
             max_frame_bytes=1 << 20,
             sweep_interval_s=0.05,
             drain_timeout_s=JOIN_S / 2,
+            max_pool_requests=max_pool_requests,
+            max_pool_bytes=max_pool_bytes,
         )
         self.gate = threading.Event()
-        self.woken = threading.Event()
-        self.wait_deadline_s = wait_deadline_s
         #: requests the loop read (loop thread)
         self.received = 0
+
+    def _receive_one(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        self.router.start(
+            self._receive_one,
+            sweep=lambda now: None,
+            on_drain=lambda: None,
+            on_shutdown=lambda: None,
+            on_failure=print,
+        )
+
+    def stop(self) -> None:
+        self.gate.set()
+        self.router.request_stop()
+        assert self.router.join(JOIN_S)
+
+
+@contextlib.contextmanager
+def dealer_to(endpoint: str) -> Iterator[zmq.Socket[bytes]]:
+    """A DEALER connected to ``endpoint``, its receives bounded by ``JOIN_S``."""
+    context = zmq.Context()
+    try:
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.RCVTIMEO, int(JOIN_S * 1000))
+        sock.connect(endpoint)
+        yield sock
+    finally:
+        context.destroy(0)
+
+
+class PoolServer(GatedPoolLoop):
+    """Serving messages of one frame: ``b"pool"`` runs on the pool until the gate opens,
+    ``b"wait"`` on the pool until a later ``b"wake"`` (handled on the loop) or its
+    deadline, anything else is echoed from the loop."""
+
+    def __init__(self, *, wait_deadline_s: float = STALL_LIMIT_S) -> None:
+        super().__init__(max_pool_requests=BOUND)
+        self.woken = threading.Event()
+        self.wait_deadline_s = wait_deadline_s
         #: the most requests on the pool seen just after a submit (loop thread)
         self.most_in_pool = 0
 
@@ -81,20 +122,6 @@ class PoolServer:
         self.router.submit(work, done)
         self.most_in_pool = max(self.most_in_pool, self.router.in_pool)
 
-    def start(self) -> None:
-        self.router.start(
-            self._receive_one,
-            sweep=lambda now: None,
-            on_drain=lambda: None,
-            on_shutdown=lambda: None,
-            on_failure=print,
-        )
-
-    def stop(self) -> None:
-        self.gate.set()
-        self.router.request_stop()
-        assert self.router.join(JOIN_S)
-
 
 @pytest.fixture
 def server() -> Iterator[PoolServer]:
@@ -106,12 +133,8 @@ def server() -> Iterator[PoolServer]:
 
 @pytest.fixture
 def client(server: PoolServer) -> Iterator[zmq.Socket[bytes]]:
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.RCVTIMEO, int(JOIN_S * 1000))
-    sock.connect(server.router.endpoint)
-    yield sock
-    context.destroy(0)
+    with dealer_to(server.router.endpoint) as sock:
+        yield sock
 
 
 def wait_until(condition: Callable[[], bool], what: str) -> None:
@@ -168,25 +191,21 @@ def test_a_wait_for_a_later_request_ends_at_its_deadline_and_the_loop_reads_it()
     reads and answers the later request."""
     server = PoolServer(wait_deadline_s=0.2)
     server.start()
-    context = zmq.Context()
     try:
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.RCVTIMEO, int(JOIN_S * 1000))
-        sock.connect(server.router.endpoint)
-        sock.send(b"wait")
-        server.gate.set()  # the other pool requests end as soon as they run
-        for _ in range(BOUND):
-            sock.send(b"pool")
-        sock.send(b"wake")
-        answered = replies(sock, BOUND + 2)
-        # the wait ran first on the one pool thread; the last pool request read with the
-        # wake may be answered after it
-        assert answered[0] == b"deadline"
-        assert sorted(answered[1:]) == sorted([*[b"pool done"] * BOUND, b"woke"])
-        assert server.stats.pool_backpressure >= 1
-        assert server.most_in_pool <= BOUND
+        with dealer_to(server.router.endpoint) as sock:
+            sock.send(b"wait")
+            server.gate.set()  # the other pool requests end as soon as they run
+            for _ in range(BOUND):
+                sock.send(b"pool")
+            sock.send(b"wake")
+            answered = replies(sock, BOUND + 2)
+            # the wait ran first on the one pool thread; the last pool request read with the
+            # wake may be answered after it
+            assert answered[0] == b"deadline"
+            assert sorted(answered[1:]) == sorted([*[b"pool done"] * BOUND, b"woke"])
+            assert server.stats.pool_backpressure >= 1
+            assert server.most_in_pool <= BOUND
     finally:
-        context.destroy(0)
         server.stop()
 
 

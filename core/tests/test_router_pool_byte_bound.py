@@ -6,13 +6,12 @@ loop reads no more, and it reads again once both bounds are under their share.""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import zmq
-from test_router_pool_bound import JOIN_S, STALL_LIMIT_S, replies, wait_until
+from test_router_pool_bound import STALL_LIMIT_S, GatedPoolLoop, dealer_to, replies, wait_until
 
 from lmcache_tiers.frontend import FrontendStats
 from lmcache_tiers.router import POOL_RESUME_SHARE, RouterLoop
@@ -25,26 +24,12 @@ AT_BOUND = 4
 REQUEST_BOUND = 1000
 
 
-class ByteBoundServer:
-    """A RouterLoop with one pool thread and a byte bound of ``AT_BOUND`` messages: every
-    message runs on the pool until the gate opens, counted at its own size."""
+class ByteBoundServer(GatedPoolLoop):
+    """A byte bound of ``AT_BOUND`` messages: every message runs on the pool until the
+    gate opens, counted at its own size."""
 
     def __init__(self, max_pool_bytes: int = AT_BOUND * MESSAGE) -> None:
-        self.stats = FrontendStats()
-        self.router = RouterLoop(
-            "tcp://127.0.0.1:0",
-            name="t",
-            stats=self.stats,
-            pool_workers=1,
-            max_pool_requests=REQUEST_BOUND,
-            max_pool_bytes=max_pool_bytes,
-            max_frame_bytes=1 << 20,
-            sweep_interval_s=0.05,
-            drain_timeout_s=JOIN_S / 2,
-        )
-        self.gate = threading.Event()
-        #: requests the loop read (loop thread)
-        self.received = 0
+        super().__init__(max_pool_requests=REQUEST_BOUND, max_pool_bytes=max_pool_bytes)
         #: the most bytes on the pool seen just before a request was read (loop thread)
         self.most_bytes_before_a_read = 0
 
@@ -71,20 +56,6 @@ class ByteBoundServer:
 
         router.submit(work, done, message_bytes=len(body))
 
-    def start(self) -> None:
-        self.router.start(
-            self._receive_one,
-            sweep=lambda now: None,
-            on_drain=lambda: None,
-            on_shutdown=lambda: None,
-            on_failure=print,
-        )
-
-    def stop(self) -> None:
-        self.gate.set()
-        self.router.request_stop()
-        assert self.router.join(JOIN_S)
-
 
 @pytest.fixture
 def server() -> Iterator[ByteBoundServer]:
@@ -96,12 +67,8 @@ def server() -> Iterator[ByteBoundServer]:
 
 @pytest.fixture
 def client(server: ByteBoundServer) -> Iterator[zmq.Socket[bytes]]:
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.RCVTIMEO, int(JOIN_S * 1000))
-    sock.connect(server.router.endpoint)
-    yield sock
-    context.destroy(0)
+    with dealer_to(server.router.endpoint) as sock:
+        yield sock
 
 
 def test_the_loop_stops_reading_while_its_pool_holds_its_bound_of_bytes(
@@ -150,21 +117,17 @@ def test_a_request_larger_than_the_byte_bound_is_read_and_served_alone() -> None
     deadlock), and the next request is read after that."""
     server = ByteBoundServer(max_pool_bytes=MESSAGE)
     server.start()
-    context = zmq.Context()
     try:
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.RCVTIMEO, int(JOIN_S * 1000))
-        sock.connect(server.router.endpoint)
-        sock.send(b"x" * (3 * MESSAGE))
-        sock.send(b"small")
-        wait_until(lambda: server.stats.pool_backpressure >= 1, "the loop pausing")
-        assert server.received == 1
-        assert server.router.pool_bytes == 3 * MESSAGE
-        server.gate.set()
-        assert replies(sock, 2) == [b"done %d" % (3 * MESSAGE), b"done 5"]
-        assert server.stats.pool_backpressure_bytes >= 1
+        with dealer_to(server.router.endpoint) as sock:
+            sock.send(b"x" * (3 * MESSAGE))
+            sock.send(b"small")
+            wait_until(lambda: server.stats.pool_backpressure >= 1, "the loop pausing")
+            assert server.received == 1
+            assert server.router.pool_bytes == 3 * MESSAGE
+            server.gate.set()
+            assert replies(sock, 2) == [b"done %d" % (3 * MESSAGE), b"done 5"]
+            assert server.stats.pool_backpressure_bytes >= 1
     finally:
-        context.destroy(0)
         server.stop()
 
 
