@@ -14,11 +14,13 @@ Every process is a real one: the relay connects (over loopback TCP, or a Unix so
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -104,41 +106,54 @@ def lookups(arena: tuple[str, tuple[int, int]]) -> Iterator[tuple[ConnectionPeer
     connections.close()
 
 
-def relayed(listener: tuple[socket.socket, str], processes: list[subprocess.Popen[str]]) -> socket.socket:
-    """The server's end of a connection a process mapping nothing holds."""
-    sock, address = listener
-    relay = start_script(RELAY, address, started=processes)
-    assert line_of(relay) == "connected"
-    accepted, _ = sock.accept()
-    return accepted
+@dataclass
+class StandInCase:
+    """A listener, the arena, the processes started and the held lookups of one test."""
+
+    listener: tuple[socket.socket, str]
+    arena: tuple[str, tuple[int, int]]
+    processes: list[subprocess.Popen[str]]
+    connections: ConnectionPeers
+    scans: HeldLookups
+
+    def mapping(self) -> subprocess.Popen[str]:
+        """A process mapping the arena."""
+        writer = start_script(FILE_MAPPER, self.arena[0], started=self.processes)
+        assert line_of(writer) == "mapped"
+        return writer
+
+    @contextlib.contextmanager
+    def watched_behind_a_relay(
+        self, hint: int, before_the_lookup: Callable[[], object] = lambda: None
+    ) -> Iterator[PeerWatch]:
+        """The watch of a connection a process mapping nothing holds, told ``hint``, once
+        its lookup (let run after ``before_the_lookup``) ended."""
+        sock, address = self.listener
+        relay = start_script(RELAY, address, started=self.processes)
+        assert line_of(relay) == "connected"
+        accepted, _ = sock.accept()
+        with accepted:
+            watch = self.connections.watch(accepted.fileno(), hint=hint)
+            assert watch is not None
+            before_the_lookup()
+            self.scans.may_scan.set()
+            assert watch.armed.wait(30), "the lookup did not end"
+            yield watch
 
 
-def mapping(
-    arena: tuple[str, tuple[int, int]], processes: list[subprocess.Popen[str]]
-) -> subprocess.Popen[str]:
-    writer = start_script(FILE_MAPPER, arena[0], started=processes)
-    assert line_of(writer) == "mapped"
-    return writer
-
-
-def settled(watch: PeerWatch | None) -> PeerWatch:
-    assert watch is not None
-    assert watch.armed.wait(30), "the lookup did not end"
-    return watch
-
-
-def test_the_hinted_process_mapping_the_arena_stands_in_behind_a_relay(
+@pytest.fixture
+def case(
     listener: tuple[socket.socket, str],
     arena: tuple[str, tuple[int, int]],
     processes: list[subprocess.Popen[str]],
     lookups: tuple[ConnectionPeers, HeldLookups],
-) -> None:
-    connections, scans = lookups
-    writer = mapping(arena, processes)
-    with relayed(listener, processes) as accepted:
-        watch = connections.watch(accepted.fileno(), hint=writer.pid)
-        scans.may_scan.set()
-        settled(watch)
+) -> StandInCase:
+    return StandInCase(listener, arena, processes, *lookups)
+
+
+def test_the_hinted_process_mapping_the_arena_stands_in_behind_a_relay(case: StandInCase) -> None:
+    writer = case.mapping()
+    with case.watched_behind_a_relay(writer.pid) as watch:
         assert watch.process is None and watch.not_writer, "the relay is not the writer"
         stand_in = watch.stand_in
         assert isinstance(stand_in, PeerProcess) and stand_in.pids == (writer.pid,)
@@ -147,51 +162,23 @@ def test_the_hinted_process_mapping_the_arena_stands_in_behind_a_relay(
         assert stand_in.exited()
 
 
-def test_a_hinted_process_not_mapping_the_arena_does_not_stand_in(
-    listener: tuple[socket.socket, str],
-    arena: tuple[str, tuple[int, int]],
-    processes: list[subprocess.Popen[str]],
-    lookups: tuple[ConnectionPeers, HeldLookups],
-) -> None:
-    connections, scans = lookups
-    other = start_script(IDLE, started=processes)
+def test_a_hinted_process_not_mapping_the_arena_does_not_stand_in(case: StandInCase) -> None:
+    other = start_script(IDLE, started=case.processes)
     assert line_of(other) == "up"
-    with relayed(listener, processes) as accepted:
-        watch = connections.watch(accepted.fileno(), hint=other.pid)
-        scans.may_scan.set()
-        settled(watch)
+    with case.watched_behind_a_relay(other.pid) as watch:
         assert watch.stand_in is None and watch.pin is None
 
 
-def test_a_hinted_process_gone_before_the_lookup_does_not_stand_in(
-    listener: tuple[socket.socket, str],
-    arena: tuple[str, tuple[int, int]],
-    processes: list[subprocess.Popen[str]],
-    lookups: tuple[ConnectionPeers, HeldLookups],
-) -> None:
+def test_a_hinted_process_gone_before_the_lookup_does_not_stand_in(case: StandInCase) -> None:
     """Nothing can tell any more that it mapped the arena: the fences wait for a commit."""
-    connections, scans = lookups
-    writer = mapping(arena, processes)
-    with relayed(listener, processes) as accepted:
-        watch = connections.watch(accepted.fileno(), hint=writer.pid)
-        end(writer)
-        scans.may_scan.set()
-        settled(watch)
+    writer = case.mapping()
+    with case.watched_behind_a_relay(writer.pid, before_the_lookup=lambda: end(writer)) as watch:
         assert watch.stand_in is None and watch.pin is None and not watch.exited()
 
 
-def test_no_stand_in_where_the_lookup_names_the_writer(
-    listener: tuple[socket.socket, str],
-    arena: tuple[str, tuple[int, int]],
-    processes: list[subprocess.Popen[str]],
-    lookups: tuple[ConnectionPeers, HeldLookups],
-) -> None:
+def test_no_stand_in_where_the_lookup_names_the_writer(case: StandInCase) -> None:
     """A client the lookup finds (here: told it holds the connection) needs none."""
-    connections, scans = lookups
-    writer = mapping(arena, processes)
-    with relayed(listener, processes) as accepted:
-        scans._scan = lambda peer: PeerProcess((writer.pid,), [os.pidfd_open(writer.pid)])
-        watch = connections.watch(accepted.fileno(), hint=writer.pid)
-        scans.may_scan.set()
-        settled(watch)
+    writer = case.mapping()
+    case.scans._scan = lambda peer: PeerProcess((writer.pid,), [os.pidfd_open(writer.pid)])
+    with case.watched_behind_a_relay(writer.pid) as watch:
         assert watch.process is not None and watch.stand_in is None and watch.pin is None
