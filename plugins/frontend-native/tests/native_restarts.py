@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.keys import ObjectKey
+from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.wire import protocol as p
 
 
@@ -23,6 +24,45 @@ def until_the_drop_is_seen(client: Client) -> None:
                 return
         assert time.monotonic() < deadline, "the client never saw its connection drop"
         time.sleep(0.01)
+
+
+def restarted_at(
+    port: int, first: TiersServer, client: Client, make_server: Callable[..., TiersServer]
+) -> TiersServer:
+    """Stop ``first`` and start another server at ``port``, its address, once ``client``
+    has seen its connection drop."""
+    first.request_stop()
+    assert first.frontends[0].join(30)
+    until_the_drop_is_seen(client)
+    return make_server(port=port)
+
+
+def reserved_by_another_thread(client: Client, keys: Sequence[ObjectKey], size: int) -> list[p.Slot]:
+    """Another thread of ``client`` greets the server it now reaches and reserves ``keys``
+    there (``size`` bytes each), its copy still to come; its slots."""
+    client._follow_server()
+    slots = client._call(p.StoreReserve(0, "", list(keys), [size] * len(keys)), p.StoreReserveReply).slots
+    assert all(slot.offset != p.NO_SLOT for slot in slots)
+    return slots
+
+
+def copied_and_committed_by_that_thread(
+    client: Client,
+    slots: Sequence[p.Slot],
+    keys: Sequence[ObjectKey],
+    buffers: Sequence[np.ndarray[Any, Any]],
+) -> None:
+    """The thread that reserved ``slots`` still holds them: it copies ``buffers`` in and
+    commits them, and ``client`` then retrieves exactly ``buffers``."""
+    current = client._segment
+    assert current is not None
+    for slot, buffer in zip(slots, buffers, strict=True):
+        current.write(slot.offset, buffer)
+    assert client._call(p.StoreCommit(0, "", list(keys)), p.StoreReply).done == [True] * len(keys)
+    targets = [np.zeros_like(buffer) for buffer in buffers]
+    assert client.retrieve_into(keys, targets) == len(keys)
+    for target, buffer in zip(targets, buffers, strict=True):
+        assert np.array_equal(target, buffer)
 
 
 def given_up_reply(client: Client, request: p._Request) -> list[Any]:

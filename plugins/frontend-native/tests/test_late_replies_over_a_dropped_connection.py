@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from native_keys import keys_of
-from native_restarts import given_up_reply, until_the_drop_is_seen
+from native_restarts import given_up_reply, restarted_at
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.server.app import TiersServer
@@ -30,10 +30,7 @@ def restart(make_server: Factory) -> Iterator[tuple[Client, Callable[[], TiersSe
     first = make_server(port=port)
 
     def restarted() -> TiersServer:
-        first.request_stop()
-        assert first.frontends[0].join(30)
-        until_the_drop_is_seen(client)
-        return make_server(port=port)
+        return restarted_at(port, first, client, make_server)
 
     with Client(first.endpoint, timeout=30) as client:
         yield client, restarted

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 from native_keys import keys_of
-from native_restarts import until_the_drop_is_seen
+from native_restarts import copied_and_committed_by_that_thread, reserved_by_another_thread, restarted_at
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.server.app import TiersServer
@@ -43,14 +43,8 @@ def test_a_store_whose_server_restarted_under_its_copy_touches_no_reservation_th
             """The store's copy; meanwhile the server restarts, and another thread of the
             client greets it and reserves the same keys (its copy still to come)."""
             write_many(copies)
-            first.request_stop()
-            assert first.frontends[0].join(30)
-            until_the_drop_is_seen(client)
-            make_server(port=port)
-            client._follow_server()
-            sizes = [CHUNK] * len(keys)
-            theirs.append(client._call(p.StoreReserve(0, "", keys, sizes), p.StoreReserveReply).slots)
-            assert all(slot.offset != p.NO_SLOT for slot in theirs[0])
+            restarted_at(port, first, client, make_server)
+            theirs.append(reserved_by_another_thread(client, keys, CHUNK))
             if fails:
                 raise KeyboardInterrupt  # the store is cut short after its copy
 
@@ -61,17 +55,9 @@ def test_a_store_whose_server_restarted_under_its_copy_touches_no_reservation_th
         else:
             client.store(keys, buffers)
         assert theirs
+        assert client._segment is not segment
         # The other thread's reservations are still its own: it copies and commits them.
-        current = client._segment
-        assert current is not None and current is not segment
-        for slot, buffer in zip(theirs[0], buffers, strict=True):
-            current.write(slot.offset, buffer)
-        done = client._call(p.StoreCommit(0, "", keys), p.StoreReply).done
-        assert done == [True, True]
-        targets = [np.zeros(CHUNK, dtype=np.uint8) for _ in keys]
-        assert client.retrieve_into(keys, targets) == 2
-        for target, buffer in zip(targets, buffers, strict=True):
-            assert np.array_equal(target, buffer)
+        copied_and_committed_by_that_thread(client, theirs[0], keys, buffers)
 
 
 def test_no_other_thread_can_greet_a_server_between_a_stores_look_at_it_and_its_commit(

@@ -14,7 +14,12 @@ import numpy as np
 import pytest
 from native_fence_support import CuttableLink
 from native_keys import keys_of
-from native_restarts import assert_stored_there, until_the_drop_is_seen
+from native_restarts import (
+    assert_stored_there,
+    copied_and_committed_by_that_thread,
+    reserved_by_another_thread,
+    restarted_at,
+)
 from native_stop import wait_for
 
 from lmcache_tiers.client import Client
@@ -43,14 +48,8 @@ def test_a_store_answered_by_a_server_gone_since_aborts_nothing_on_the_restarted
             restarts, and another thread of the client greets it and reserves the same
             keys there."""
             if not theirs:
-                first.request_stop()
-                assert first.frontends[0].join(30)
-                until_the_drop_is_seen(client)
-                make_server(port=port)
-                client._follow_server()
-                sizes = [CHUNK] * len(keys)
-                theirs.append(client._call(p.StoreReserve(0, "", keys, sizes), p.StoreReserveReply).slots)
-                assert all(slot.offset != p.NO_SLOT for slot in theirs[0])
+                restarted_at(port, first, client, make_server)
+                theirs.append(reserved_by_another_thread(client, keys, CHUNK))
             return looked_at(segment)
 
         monkeypatch.setattr(client, "_answered_elsewhere", restart_before_the_look)
@@ -58,15 +57,7 @@ def test_a_store_answered_by_a_server_gone_since_aborts_nothing_on_the_restarted
         assert client.store(keys, buffers) == 0
         monkeypatch.undo()
         # The other thread's reservations are still its own: it copies and commits them.
-        current = client._segment
-        assert current is not None
-        for slot, buffer in zip(theirs[0], buffers, strict=True):
-            current.write(slot.offset, buffer)
-        assert client._call(p.StoreCommit(0, "", keys), p.StoreReply).done == [True, True]
-        targets = [np.zeros(CHUNK, dtype=np.uint8) for _ in keys]
-        assert client.retrieve_into(keys, targets) == 2
-        for target, buffer in zip(targets, buffers, strict=True):
-            assert np.array_equal(target, buffer)
+        copied_and_committed_by_that_thread(client, theirs[0], keys, buffers)
 
 
 def test_a_store_answered_by_the_restarted_server_aborts_there_and_stores_again(
@@ -85,10 +76,7 @@ def test_a_store_answered_by_the_restarted_server_aborts_there_and_stores_again(
 
         def restart_before_the_reservation(*args: Any) -> int:
             if not restarted:
-                first.request_stop()
-                assert first.frontends[0].join(30)
-                until_the_drop_is_seen(client)
-                restarted.append(make_server(port=port))
+                restarted.append(restarted_at(port, first, client, make_server))
             return store_batch(*args)
 
         def greeted_before_the_look(segment: Any) -> bool:
