@@ -76,6 +76,11 @@ class Key:
         }
 
 
+def one_chunk(sequence: int, request_id: str) -> Key:
+    """The key of the first chunk of request ``sequence``, on worker 0."""
+    return Key(tokens_of(sequence), request_id, worker_id=0, end=CHUNK_TOKENS)
+
+
 @dataclass
 class Registration:
     instance_id: int = 1000
@@ -262,12 +267,21 @@ def stalled_fills(storage: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[thr
         go_on.set()
 
 
+def send_pickled_store(
+    client: MPClient, sequence: int, name: str, chunks: int = 4, tokens: int = 1024
+) -> bytes:
+    """Send a pickled commit_store of ``chunks`` chunks of request ``sequence`` (its key
+    ``tokens`` tokens long, named ``name``), of the default registration, not waiting for
+    its reply; the request's id."""
+    registration = Registration()
+    key = Key(tokens_of(sequence, tokens), name, worker_id=0)
+    pickled = pickled_chunks(chunk_payloads(sequence, chunks, registration.object_bytes))
+    return client.send("commit_store", key.encode(), registration.instance_id, pickled)
+
+
 def send_stalled_store(client: MPClient, storage: Any, sequence: int, name: str) -> None:
     """Send a pickled commit_store of four chunks (not waiting for its reply), inside
     :func:`stalled_fills`, and return once its copy has its four reservations: it holds
     the pool's one thread from then on."""
-    registration = Registration()
-    key = Key(tokens_of(sequence), name, worker_id=0)
-    chunks = pickled_chunks(chunk_payloads(sequence, 4, registration.object_bytes))
-    client.send("commit_store", key.encode(), registration.instance_id, chunks)
+    send_pickled_store(client, sequence, name)
     wait_for(lambda: storage.status()["l1"]["write_locked"] == 4, f"the store {name} never began its copy")

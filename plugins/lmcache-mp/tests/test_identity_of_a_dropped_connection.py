@@ -10,15 +10,15 @@ from typing import Any
 import zmq
 from mp_counts import mp_stats
 from mpclient import (
-    CHUNK_TOKENS,
     Key,
     MPClient,
     Registration,
     chunk_payloads,
     mp_address,
-    tokens_of,
+    one_chunk,
     wait_for,
 )
+from writer_processes import fenced_extents
 
 from lmcache_tiers.server.app import TiersServer
 
@@ -38,14 +38,6 @@ def client_named(url: str, identity: bytes) -> MPClient:
     client.socket.connect(client.url)
     wait_for(lambda: client.receive(client.send("noop"), 200) == "OK", f"connected as {identity!r}")
     return client
-
-
-def one_chunk(sequence: int, request_id: str) -> Key:
-    return Key(tokens_of(sequence), request_id, worker_id=0, end=CHUNK_TOKENS)
-
-
-def fenced_extents(server: TiersServer) -> int:
-    return int(server.storage_status()["l1"]["leases"]["fenced_extents"])
 
 
 def prepare_and_drop(url: str, key: Key) -> None:

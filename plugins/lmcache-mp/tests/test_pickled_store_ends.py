@@ -11,29 +11,17 @@ import pytest
 from mp_counts import keys_accounted
 from mpclient import (
     STALL_LIMIT_S,
-    Key,
     MPClient,
     Registration,
-    chunk_payloads,
     mp_address,
-    pickled_chunks,
+    send_pickled_store,
     stalled_fills,
-    tokens_of,
     wait_for,
 )
 
 from lmcache_tiers.router import ABANDONED_REASON
 
 REG = Registration()
-CHUNK = REG.object_bytes
-
-
-def _send_pickled_store(client: MPClient, request: int) -> None:
-    """A pickled commit_store of four chunks, not waiting for its reply."""
-    key = Key(tokens_of(request), f"store-{request}", worker_id=0)
-    client.send(
-        "commit_store", key.encode(), REG.instance_id, pickled_chunks(chunk_payloads(request, 4, CHUNK))
-    )
 
 
 def test_pickled_stores_the_drain_gives_up_on_count_their_keys_once(
@@ -44,8 +32,8 @@ def test_pickled_stores_the_drain_gives_up_on_count_their_keys_once(
     storage, frontend = server.storage, server.frontends[0]
     with stalled_fills(storage, monkeypatch) as go_on, MPClient(mp_address(server)) as client:
         client.register(REG)
-        _send_pickled_store(client, 20)
-        _send_pickled_store(client, 21)
+        send_pickled_store(client, 20, "store-20")
+        send_pickled_store(client, 21, "store-21")
         wait_for(
             lambda: frontend.loop.router.in_pool == 2 and storage.status()["l1"]["write_locked"] == 4,
             "the first store copying, the second queued",
@@ -79,9 +67,7 @@ def test_a_pickled_store_whose_handler_raises_counts_its_keys(
     monkeypatch.setattr(storage, "lend", broken)
     with MPClient(mp_address(server)) as client:
         client.register(REG)
-        key = Key(tokens_of(22), "s", worker_id=0)
-        pickled = pickled_chunks(chunk_payloads(22, 4, CHUNK))
-        client.send("commit_store", key.encode(), REG.instance_id, pickled)  # not answered
+        send_pickled_store(client, 22, "s")  # not answered
         stats = server.frontends[0].stats()
         wait_for(lambda: stats.failures["mp_handler_error"] == 1, "the failed store was not counted")
         assert stats.store_keys_refused["mp_handler_error"] == 4
@@ -115,7 +101,7 @@ def test_a_copy_raising_after_the_stop_gave_up_on_it_is_counted_once(
     monkeypatch.setattr(transfers, "_give_up_pickled_stores", give_up_then_let_the_copy_fail)
     with MPClient(mp_address(server)) as client:
         client.register(REG)
-        _send_pickled_store(client, 23)
+        send_pickled_store(client, 23, "store-23")
         wait_for(lambda: storage.status()["l1"]["write_locked"] == 4, "the store copying")
         frontend.stop()
         assert frontend.join(30)
@@ -149,7 +135,7 @@ def test_a_pickled_store_that_ended_unanswered_at_a_forced_stop_is_counted_once(
     try:
         with MPClient(mp_address(server)) as client:
             client.register(REG)
-            _send_pickled_store(client, 24)
+            send_pickled_store(client, 24, "store-24")
             assert ended.wait(STALL_LIMIT_S)
             frontend.stop(force=True)
             assert frontend.join(30)

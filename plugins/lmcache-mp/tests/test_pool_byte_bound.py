@@ -10,14 +10,11 @@ from typing import Any
 
 import pytest
 from mpclient import (
-    Key,
     MPClient,
     Registration,
-    chunk_payloads,
     mp_address,
-    pickled_chunks,
+    send_pickled_store,
     stalled_fills,
-    tokens_of,
     wait_for,
 )
 
@@ -55,11 +52,10 @@ def test_pickled_stores_past_the_byte_bound_wait_unread_then_are_all_stored(
     assert router.max_pool_requests > STORES  # only the byte bound can hold the loop here
     with stalled_fills(storage, monkeypatch) as go_on, MPClient(mp_address(server)) as client:
         client.register(REG)
-        uids = []
-        for sequence in range(STORES):
-            key = Key(tokens_of(100 + sequence, CHUNKS * CHUNK_TOKENS - 1), f"bytes-{sequence}", worker_id=0)
-            chunks = pickled_chunks(chunk_payloads(100 + sequence, CHUNKS, REG.object_bytes))
-            uids.append(client.send("commit_store", key.encode(), REG.instance_id, chunks))
+        uids = [
+            send_pickled_store(client, 100 + sequence, f"bytes-{sequence}", CHUNKS, CHUNKS * CHUNK_TOKENS - 1)
+            for sequence in range(STORES)
+        ]
         wait_for(lambda: frontend.stats().pool_backpressure >= 1, "the loop holding its reading")
         assert frontend.stats().requests["commit_store"] == AT_BOUND  # the rest are not read
         assert router.in_pool == AT_BOUND

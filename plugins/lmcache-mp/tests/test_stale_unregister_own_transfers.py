@@ -17,15 +17,14 @@ from typing import Any
 
 from mp_counts import mp_stats
 from mpclient import (
-    CHUNK_TOKENS,
-    Key,
     MPClient,
     Registration,
     chunk_payloads,
     mp_address,
-    tokens_of,
+    one_chunk,
     wait_for,
 )
+from writer_processes import fenced_extents, transfers_of
 
 from lmcache_tiers.server.app import TiersServer
 
@@ -33,20 +32,8 @@ REG = Registration()
 UNREGISTER = "unregister_kv_cache_engine_driven_context"
 
 
-def one_chunk(sequence: int, request_id: str) -> Key:
-    return Key(tokens_of(sequence), request_id, worker_id=0, end=CHUNK_TOKENS)
-
-
 def l1(server: TiersServer) -> dict[str, Any]:
     return dict(server.storage.status()["l1"])
-
-
-def fenced_extents(server: TiersServer) -> int:
-    return int(server.storage_status()["l1"]["leases"]["fenced_extents"])
-
-
-def transfers_of(server: TiersServer) -> Any:
-    return server.frontends[0].handlers.transfers  # type: ignore[attr-defined]
 
 
 def test_a_stale_unregister_gives_back_its_own_connections_locks_and_reservations(

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from mp_counts import mp_stats
-from mpclient import CHUNK_TOKENS, Key, MPClient, Registration, mp_address, tokens_of, wait_for
+from mpclient import MPClient, Registration, mp_address, one_chunk, wait_for
 
 from lmcache_tiers.server.app import TiersServer
 
@@ -23,10 +23,6 @@ REG = Registration()
 UNREGISTER = "unregister_kv_cache_engine_driven_context"
 #: the silence after which an instance that never pinged is reaped
 GRACE_S = 1.0
-
-
-def one_chunk(sequence: int, request_id: str) -> Key:
-    return Key(tokens_of(sequence), request_id, worker_id=0, end=CHUNK_TOKENS)
 
 
 def l1(server: TiersServer) -> dict[str, Any]:

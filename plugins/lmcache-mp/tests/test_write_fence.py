@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 from mp_counts import mp_stats
-from mpclient import CHUNK_TOKENS, Key, MPClient, Registration, mp_address, tokens_of, wait_for
+from mpclient import Key, MPClient, Registration, mp_address, one_chunk, wait_for
+from writer_processes import transfers_of
 
 from lmcache_tiers.server.app import TiersServer
 
@@ -28,10 +29,6 @@ SIZE = WRITER.object_bytes
 SMALL_L1_GB = 0.0007
 #: a write TTL short enough for the server's own sweep and reap to expire a reservation
 SHORT_TTL: dict[str, Any] = {"l1_write_ttl_s": 1.0, "l1_lock_ttl_s": 1.0}
-
-
-def one_chunk(sequence: int, request_id: str) -> Key:
-    return Key(tokens_of(sequence), request_id, worker_id=0, end=CHUNK_TOKENS)
 
 
 def leases(server: TiersServer) -> dict[str, int]:
@@ -52,11 +49,6 @@ def prepare(client: MPClient, key: Key, registration: Registration = WRITER) -> 
         "context"
     ]["slots"]
     return slots
-
-
-def transfers_of(server: TiersServer) -> Any:
-    frontend: Any = server.frontends[0]  # make_mp_server's LMCache front end
-    return frontend.handlers.transfers
 
 
 def fenced_by_the_front_end(server: TiersServer) -> bool:
