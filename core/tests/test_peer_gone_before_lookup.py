@@ -30,7 +30,6 @@ from lmcache_tiers.peer_process import (
     watch_peer_socket,
 )
 from lmcache_tiers.peer_scan import ConnectionPeers, PeerWatch
-from lmcache_tiers.testing.children import ended_at_exit
 
 #: connects to 127.0.0.1:argv[1], says so; "close" as argv[2] then closes the socket
 #: and says so; then waits to be killed
@@ -49,12 +48,6 @@ time.sleep(3600)
 def listener() -> Iterator[socket.socket]:
     with socket.create_server(("127.0.0.1", 0)) as sock:
         yield sock
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[str]]]:
-    with ended_at_exit() as started:
-        yield started
 
 
 def connect(

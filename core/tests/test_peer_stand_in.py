@@ -29,7 +29,7 @@ import pytest
 
 from lmcache_tiers.peer_process import PeerProcess, PeerSocket, maps_file, watch_writer_socket
 from lmcache_tiers.peer_scan import ConnectionPeers, PeerWatch
-from lmcache_tiers.testing.children import FILE_MAPPER, end, ended_at_exit, line_of, start_script
+from lmcache_tiers.testing.children import FILE_MAPPER, end, line_of, start_script
 
 #: connects to argv[1] (a port on 127.0.0.1, or a Unix socket's path), says so, waits
 RELAY = """
@@ -49,12 +49,6 @@ import sys
 print("up", flush=True)
 sys.stdin.read()
 """
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[str]]]:
-    with ended_at_exit() as started:
-        yield started
 
 
 @pytest.fixture

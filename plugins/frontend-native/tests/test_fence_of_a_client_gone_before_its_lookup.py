@@ -27,7 +27,7 @@ from native_stop import wait_for
 from test_writer_kernel_pid import sweeps_after_now
 
 from lmcache_tiers.server.app import TiersServer
-from lmcache_tiers.testing.children import end, ended_at_exit, says
+from lmcache_tiers.testing.children import end, says
 from lmcache_tiers.testing.children import start_script as start
 
 #: the thread scanning for clients' processes, off the loop thread
@@ -82,12 +82,6 @@ def lookups_ended(server: TiersServer) -> None:
 def stack() -> Iterator[ExitStack]:
     with ExitStack() as stack:
         yield stack
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[str]]]:
-    with ended_at_exit() as started:
-        yield started
 
 
 def test_a_client_killed_before_its_lookup_has_its_fence_lifted(

@@ -38,7 +38,6 @@ from lmcache_tiers.testing.children import (
     FILE_MAPPER,
     TCP_RELAY,
     end,
-    ended_at_exit,
     line_of,
     start_script,
     tell,
@@ -114,12 +113,6 @@ sys.stdin.read()
 )
 
 
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[str]]]:
-    with ended_at_exit() as started:
-        yield started
-
-
 def native(server: TiersServer) -> Any:
     """The server's only front end, the native one."""
     return server.frontends[0]
@@ -170,21 +163,29 @@ def found_not_writer(server: TiersServer, identity: bytes) -> bool:
     return bool(watch.armed.is_set() and watch.not_writer)
 
 
+def relayed_writer_reserved(
+    server: TiersServer, processes: list[subprocess.Popen[str]]
+) -> tuple[subprocess.Popen[str], str, str]:
+    """A writer that reserved one chunk through a relay, its connection's lookup ended
+    (finding the relay, not the writer); with the routing identity and key name it used."""
+    relay = start_script(TCP_RELAY, server.endpoint.rsplit(":", 1)[1], started=processes)
+    relayed = f"tcp://127.0.0.1:{line_of(relay)}"
+    identity, name = (b"W" + os.urandom(7)).hex(), os.urandom(8).hex()
+    writer = start_script(WRITER, relayed, arena_path(server), identity, name, str(CHUNK), started=processes)
+    assert line_of(writer) == "reserved"
+    wait_for(lambda: found_not_writer(server, bytes.fromhex(identity)), "the relay found, not the writer")
+    return writer, identity, name
+
+
 def writer_fenced_then_dropped(
     server: TiersServer, processes: list[subprocess.Popen[str]], mode: str
 ) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
     """The writer, reserved through the relay then dropped (alive), and the newcomer
     greeted under its identity, told ``mode``; the writer's reservation fenced."""
-    relay = start_script(TCP_RELAY, server.endpoint.rsplit(":", 1)[1], started=processes)
-    relayed = f"tcp://127.0.0.1:{line_of(relay)}"
-    identity, name = (b"W" + os.urandom(7)).hex(), os.urandom(8).hex()
-    arena = arena_path(server)
-    writer = start_script(WRITER, relayed, arena, identity, name, str(CHUNK), started=processes)
-    assert line_of(writer) == "reserved"
-    wait_for(lambda: found_not_writer(server, bytes.fromhex(identity)), "the relay found, not the writer")
+    writer, identity, name = relayed_writer_reserved(server, processes)
     tell(writer, "drop")
     assert line_of(writer) == "dropped"
-    newcomer = start_script(NEWCOMER, server.endpoint, arena, identity, name, started=processes)
+    newcomer = start_script(NEWCOMER, server.endpoint, arena_path(server), identity, name, started=processes)
     assert line_of(newcomer) == "greeted"
     wait_for(lambda: fenced(server) == 1, "the expired reservation fenced")
     tell(newcomer, mode)

@@ -17,44 +17,21 @@ has exited.
 
 from __future__ import annotations
 
-import os
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
-from native_fence_support import CHUNK, SHORT_TTL
+from native_fence_support import SHORT_TTL
 from native_keys import leases_of, stats_of
 from native_stop import wait_for
 from test_fence_waits_for_the_writer_known_at_reservation import (
-    WRITER,
     HeldSweeps,
-    arena_path,
     fenced,
-    found_not_writer,
+    relayed_writer_reserved,
 )
 
 from lmcache_tiers.server.app import TiersServer
-from lmcache_tiers.testing.children import TCP_RELAY, end, ended_at_exit, line_of, start_script
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[str]]]:
-    with ended_at_exit() as started:
-        yield started
-
-
-def relayed_writer_reserved(
-    server: TiersServer, processes: list[subprocess.Popen[str]]
-) -> subprocess.Popen[str]:
-    """A writer that reserved one chunk through a relay, its connection's lookup ended
-    (finding the relay, not the writer)."""
-    relay = start_script(TCP_RELAY, server.endpoint.rsplit(":", 1)[1], started=processes)
-    relayed = f"tcp://127.0.0.1:{line_of(relay)}"
-    identity, name = (b"W" + os.urandom(7)).hex(), os.urandom(8).hex()
-    writer = start_script(WRITER, relayed, arena_path(server), identity, name, str(CHUNK), started=processes)
-    assert line_of(writer) == "reserved"
-    wait_for(lambda: found_not_writer(server, bytes.fromhex(identity)), "the relay found, not the writer")
-    return writer
+from lmcache_tiers.testing.children import end
 
 
 def test_a_relayed_writer_gone_before_the_first_sweep_has_its_fence_lifted(
@@ -64,7 +41,7 @@ def test_a_relayed_writer_gone_before_the_first_sweep_has_its_fence_lifted(
 ) -> None:
     server = make_server(**SHORT_TTL)
     sweeps = HeldSweeps(server, monkeypatch)
-    writer = relayed_writer_reserved(server, processes)
+    writer, _, _ = relayed_writer_reserved(server, processes)
     end(writer)  # dies holding its reservation, which no sweep has looked at yet
     wait_for(lambda: fenced(server) == 1, "the expired reservation fenced")
     sweeps.let_go()
@@ -81,7 +58,7 @@ def test_a_relayed_writer_alive_keeps_its_fence(
 ) -> None:
     server = make_server(**SHORT_TTL)
     sweeps = HeldSweeps(server, monkeypatch)
-    writer = relayed_writer_reserved(server, processes)
+    writer, _, _ = relayed_writer_reserved(server, processes)
     wait_for(lambda: fenced(server) == 1, "the expired reservation fenced")
     sweeps.let_go()
     sweeps.wait_for_two()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,7 +23,7 @@ from native_stop import wait_for
 from lmcache_tiers.client import Client
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.server.app import TiersServer
-from lmcache_tiers.testing.children import FILE_MAPPER, end, ended_at_exit, says
+from lmcache_tiers.testing.children import FILE_MAPPER, end, says
 from lmcache_tiers.testing.children import start_script as start
 
 #: greets the server as pid argv[3], reserves one chunk, then stalls until killed
@@ -41,12 +40,6 @@ client._call(p.StoreReserve(0, "", [key], [int(sys.argv[2])]), p.StoreReserveRep
 print("reserved", flush=True)
 sys.stdin.read()
 """
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[str]]]:
-    with ended_at_exit() as started:
-        yield started
 
 
 def arena_path(server: TiersServer) -> str:

@@ -1,6 +1,7 @@
 """Processes a test starts to play a server's clients (a writer mapping the arena, a relay
 in front of the server): started with their output piped, read and told one line at a
-time, and ended -- killed, reaped, pipes closed -- however the test ends."""
+time, and ended -- killed, reaped, pipes closed -- however the test ends (the ``processes``
+fixture holds them for a test)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,19 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["FILE_MAPPER", "TCP_RELAY", "end", "ended_at_exit", "line_of", "says", "start_script", "tell"]
+import pytest
+
+__all__ = [
+    "FILE_MAPPER",
+    "TCP_RELAY",
+    "end",
+    "ended_at_exit",
+    "line_of",
+    "processes",
+    "says",
+    "start_script",
+    "tell",
+]
 
 #: relays every connection to 127.0.0.1:argv[1] from a port of its own, which it prints:
 #: the server sees the relay's socket, never the client behind it (its process unnamed)
@@ -88,3 +101,12 @@ def ended_at_exit() -> Iterator[list[subprocess.Popen[str]]]:
     finally:
         for process in started:
             end(process)
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[str]]]:
+    """The list a test adds the processes it starts to (``start_script(...,
+    started=processes)``); each is ended once the test ends.  Import it into a conftest
+    to use it."""
+    with ended_at_exit() as started:
+        yield started
