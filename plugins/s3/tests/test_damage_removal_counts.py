@@ -6,17 +6,15 @@ file stores and redis count theirs."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import pytest
 from lmcache_plugin_s3.backend import S3Backend
 from lmcache_plugin_s3.client import S3RequestError
-from s3_helpers import Raw, blocking, fresh_prefix, open_adapter, s3_config
+from s3_helpers import Raw, blocking, fresh_prefix
 
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import L2Adapter
 from lmcache_tiers.testing.l2 import make_keys, pattern
-from lmcache_tiers.testing.seaweedfs import SeaweedS3
 
 SIZE = 64 << 10
 
@@ -24,18 +22,6 @@ SIZE = 64 << 10
 @pytest.fixture
 def prefix() -> str:
     return fresh_prefix("removal-counts")
-
-
-@pytest.fixture
-def adapter(seaweed: SeaweedS3, prefix: str, l1: memoryview) -> Iterator[L2Adapter]:
-    adapter = open_adapter(s3_config(seaweed, prefix), l1)
-    yield adapter
-    adapter.close()
-
-
-@pytest.fixture
-def raw(seaweed: SeaweedS3, prefix: str) -> Raw:
-    return Raw(seaweed, prefix)
 
 
 def s3_backend(adapter: L2Adapter) -> S3Backend:

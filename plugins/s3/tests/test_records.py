@@ -9,7 +9,7 @@ import logging
 import time
 import tracemalloc
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from flipping_relay import FlippingRelay
@@ -35,18 +35,6 @@ def prefix() -> str:
 @pytest.fixture
 def l1() -> memoryview:
     return memoryview(bytearray(8 << 20))
-
-
-@pytest.fixture
-def adapter(seaweed: SeaweedS3, prefix: str, l1: memoryview) -> Iterator[L2Adapter]:
-    adapter = open_adapter(s3_config(seaweed, prefix), l1)
-    yield adapter
-    adapter.close()
-
-
-@pytest.fixture
-def raw(seaweed: SeaweedS3, prefix: str) -> Raw:
-    return Raw(seaweed, prefix)
 
 
 def store(adapter: L2Adapter, l1: memoryview, keys: list[ObjectKey], size: int = SIZE) -> list[bytes]:
