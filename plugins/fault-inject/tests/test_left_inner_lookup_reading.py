@@ -23,24 +23,12 @@ from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
 from lmcache_tiers.plugins import discover
 from lmcache_tiers.registry import KindRegistry
-from lmcache_tiers.serde import SerdeContext
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
+from lmcache_tiers.testing.serde import Reversed
 from lmcache_tiers.testing.threads import DEADLINE_S, wait_until
 
 KEY = ObjectKey("llama", 0, b"\x01" * 16)
 SIZE = 4096
-
-
-class Reversed:
-    """Stores an object's bytes back to front: another serde chain, the same size."""
-
-    name = "reversed"
-
-    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
-        return bytes(data)[::-1]
-
-    def decode(self, data: memoryview, context: SerdeContext) -> bytes:
-        return bytes(data)[::-1]
 
 
 class SlowJudge(MockBackend):

@@ -13,23 +13,12 @@ from lmcache_plugin_mock import MockConfig
 from lmcache_plugin_mock.backend import MockBackend
 
 from lmcache_tiers.l2 import AdapterContext, BackendAdapter, create_adapter
-from lmcache_tiers.serde import Serde, SerdeContext
+from lmcache_tiers.serde import Serde
 from lmcache_tiers.testing.blocking import BlockingAdapterClient
 from lmcache_tiers.testing.l2 import make_keys, pattern
+from lmcache_tiers.testing.serde import Reversed
 
 SIZE = 4096
-
-
-class Reversed:
-    """Stores an object's bytes back to front: the same size, other bytes."""
-
-    name = "reversed"
-
-    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
-        return bytes(data)[::-1]
-
-    def decode(self, data: memoryview, context: SerdeContext) -> bytes:
-        return bytes(data)[::-1]
 
 
 def open_mock(namespace: str, serde: tuple[Serde, ...]) -> BackendAdapter:

@@ -1,4 +1,5 @@
-"""Conformance suite of serde transforms.
+"""Conformance suite of serde transforms, and :class:`Reversed`, a serde chain of the same
+size for the tests of objects stored with another chain.
 
 A serde plugin's tests subclass :class:`SerdeSuite`, name the component and declare what
 its transform guarantees::
@@ -53,6 +54,19 @@ BINDS_KEY = capability("binds_key")
 KV_SHAPE = (2, 4, 256, 512)
 #: the large object: 32 MiB of bf16 KV
 LARGE_KV_SHAPE = (2, 8, 256, 4096)
+
+
+class Reversed:
+    """A serde that stores an object's bytes back to front: another serde chain than none,
+    of the same size, whose objects decoded by any other chain are wrong bytes."""
+
+    name = "reversed"
+
+    def encode(self, data: memoryview, context: SerdeContext) -> bytes:
+        return bytes(data)[::-1]
+
+    def decode(self, data: memoryview, context: SerdeContext) -> bytes:
+        return bytes(data)[::-1]
 
 
 def kv_layout(shape: Sequence[int], dtype: str = "bfloat16") -> str:
