@@ -27,9 +27,9 @@ JOIN_S = 30.0
 
 
 class GatedPoolLoop:
-    """A RouterLoop with one pool thread, its bounds as given, started with
-    ``_receive_one`` as its reader; ``gate`` holds the work a subclass puts on the pool,
-    and the stop opens it."""
+    """A RouterLoop with one pool thread, its bounds as given, that reads one-frame
+    requests, counts them and hands each to ``_serve``; ``gate`` holds the work a subclass
+    puts on the pool, and the stop opens it."""
 
     def __init__(self, max_pool_requests: int, max_pool_bytes: int | None = None) -> None:
         self.stats = FrontendStats()
@@ -49,6 +49,18 @@ class GatedPoolLoop:
         self.received = 0
 
     def _receive_one(self) -> None:
+        router = self.router
+        try:
+            identity, body = router.socket.recv_multipart()
+        except zmq.Again:
+            return
+        if router.is_waker(identity):
+            return
+        self.received += 1
+        self._serve(identity, body)
+
+    def _serve(self, identity: bytes, body: bytes) -> None:
+        """What the loop does with a request it read (on the loop thread)."""
         raise NotImplementedError
 
     def start(self) -> None:
@@ -91,15 +103,8 @@ class PoolServer(GatedPoolLoop):
         #: the most requests on the pool seen just after a submit (loop thread)
         self.most_in_pool = 0
 
-    def _receive_one(self) -> None:
+    def _serve(self, identity: bytes, body: bytes) -> None:
         router = self.router
-        try:
-            identity, body = router.socket.recv_multipart()
-        except zmq.Again:
-            return
-        if router.is_waker(identity):
-            return
-        self.received += 1
         if router.draining:  # as a front end does: nothing new goes to the pool
             router.send([identity, b"refused"])
         elif body == b"pool":

@@ -33,15 +33,8 @@ class ByteBoundServer(GatedPoolLoop):
         #: the most bytes on the pool seen just before a request was read (loop thread)
         self.most_bytes_before_a_read = 0
 
-    def _receive_one(self) -> None:
+    def _serve(self, identity: bytes, body: bytes) -> None:
         router = self.router
-        try:
-            identity, body = router.socket.recv_multipart()
-        except zmq.Again:
-            return
-        if router.is_waker(identity):
-            return
-        self.received += 1
         self.most_bytes_before_a_read = max(self.most_bytes_before_a_read, router.pool_bytes)
         if router.draining:
             router.send([identity, b"refused"])
