@@ -305,10 +305,12 @@ class StorageManager:
         after half the L1 lock TTL (counted as ``prefetch_result_expired``)."""
         self.prefetch.discard(handle)
 
-    def read(self, keys: Sequence[ObjectKey]) -> list[L1Object]:
-        """Read-lock and return the READY prefix of ``keys`` (release it with ``release``)."""
+    def read(self, keys: Sequence[ObjectKey], *, generations: list[int] | None = None) -> list[L1Object]:
+        """Read-lock and return the READY prefix of ``keys`` (release it with ``release``);
+        ``generations``, when given, receives their extents' generations, read with the
+        locks taken (``L1Manager.reserve_read_prefix``)."""
         self._check_open()
-        objects = self.l1.reserve_read_prefix(keys)
+        objects = self.l1.reserve_read_prefix(keys, generations=generations)
         self.stats.add("keys_read", len(objects))
         return objects
 

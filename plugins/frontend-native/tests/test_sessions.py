@@ -480,8 +480,8 @@ def test_locking_the_same_keys_again_and_again_keeps_a_count_per_deadline(clock:
 class _ModelStorage(_L1Storage):
     """``_L1Storage`` with RETRIEVE's read."""
 
-    def read(self, keys: Sequence[ObjectKey]) -> list[object]:
-        return list(self.l1.reserve_read_prefix(keys))
+    def read(self, keys: Sequence[ObjectKey], *, generations: list[int] | None = None) -> list[object]:
+        return list(self.l1.reserve_read_prefix(keys, generations=generations))
 
 
 def _check_l1_structure(l1: L1Manager) -> None:

@@ -365,7 +365,12 @@ class L1Manager:
         return self._reads.lock_present(keys, count)
 
     def reserve_read_prefix(
-        self, keys: Sequence[ObjectKey], count: int = 1, *, until_repeat: bool = False
+        self,
+        keys: Sequence[ObjectKey],
+        count: int = 1,
+        *,
+        until_repeat: bool = False,
+        generations: list[int] | None = None,
     ) -> list[L1Object]:
         """Read-lock ``count`` times the leading READY keys; returns their objects in order.
 
@@ -373,8 +378,15 @@ class L1Manager:
         one pass: every LOOKUP and RETRIEVE does this, so it is worth a method. A key
         repeated in the prefix is locked once and listed at each of its positions; with
         ``until_repeat`` the prefix ends before its first repeated key instead.
+
+        ``generations``, when given, is extended with the generation of each returned
+        object's extent (see :meth:`generations`), read in the same hold of the lock that
+        took the locks: what a reader of the extents in the shared arena is handed.  Read
+        after the call it may already be a later one: a read lock keeps an extent from
+        going back to the allocator only while the object stays in L1, and once a forced
+        delete quarantined it, releases of its key (by anyone) are credited to it.
         """
-        return self._reads.lock_prefix(keys, count, until_repeat=until_repeat)
+        return self._reads.lock_prefix(keys, count, until_repeat=until_repeat, generations=generations)
 
     def reserve_store(self, keys: Sequence[ObjectKey]) -> dict[ObjectKey, L1Object]:
         """Read-lock once every READY key present for an L2 store task, which reads the
@@ -543,7 +555,11 @@ class L1Manager:
 
     def generations(self, objs: Sequence[L1Object]) -> list[int]:
         """The generation of each object's extent now (0s for an NVMe L1): a reader that
-        finds the same value in the arena's table after copying read the object's bytes."""
+        finds the same value in the arena's table after copying read the object's bytes.
+
+        Only while the extent is still the object's: asked about a write reservation (which
+        nothing but its writer, or fencing, ends), that holds.  For read-locked objects ask
+        :meth:`reserve_read_prefix` for them instead, in the hold that takes the locks."""
         return self._leases.generations(objs)
 
     def failures(self) -> dict[str, int]:

@@ -24,7 +24,8 @@ an entry per lock.  A lock thus lasts up to one grid step longer than its TTL
 A temporary object is freed when its last read lock is dropped.  Locks on an extent that
 a forced delete quarantined are credited to it before the key's live object
 (``l1/leases.py``).  ``lock_prefix`` and ``release`` run on every lookup and retrieve: they
-make one pass over the keys, with the table's dicts in locals.
+make one pass over the keys, with the table's dicts in locals (and a RETRIEVE's
+``lock_prefix`` one more, reading its generations in the same hold of the lock).
 """
 
 from __future__ import annotations
@@ -157,7 +158,12 @@ class ReadLocks:
         return hits
 
     def lock_prefix(
-        self, keys: Sequence[ObjectKey], count: int, *, until_repeat: bool = False
+        self,
+        keys: Sequence[ObjectKey],
+        count: int,
+        *,
+        until_repeat: bool = False,
+        generations: list[int] | None = None,
     ) -> list[L1Object]:
         """``L1Manager.reserve_read_prefix``: the leading READY keys, in one pass."""
         if count < 1:
@@ -218,6 +224,11 @@ class ReadLocks:
             if not filed:
                 # Each took locks expiring at ``deadline``: one C-level pass files them there.
                 table.deadlines.reading(deadline).update(unique)
+            if generations is not None:
+                # Under the hold that took the locks: once it is let go, a forced delete
+                # and a release of the key (credited to the quarantined extent) can give
+                # an extent back, moving its generation, before the caller reads it.
+                generations += self._leases.generations(prefix)
             table.listeners.notify("read", read)
             return prefix
 

@@ -138,7 +138,7 @@ class StorageLike(Protocol):
 
     def discard_prefetch(self, handle: int) -> None: ...
 
-    def read(self, keys: Sequence[ObjectKey]) -> list[Any]: ...
+    def read(self, keys: Sequence[ObjectKey], *, generations: list[int] | None = None) -> list[Any]: ...
 
     def lend(self, obj: Any, *, fill: bool = False) -> L1Loan: ...
 
@@ -1082,7 +1082,11 @@ class Handlers:
         now = time.monotonic()
         session = self.sessions.get(identity, now)
         wanted = _reader_layouts(req)
-        objects = self.storage.read(req.keys)
+        # Taken with the locks: read after L1 let go of its lock, a forced delete and a
+        # release of the key credited to the quarantined extent could have given the extent
+        # back already, and its new generation would vouch for the next object's bytes.
+        generations: list[int] = []
+        objects = self.storage.read(req.keys, generations=generations)
         deadline = self.sessions.read_lock_deadline(now)
         objects = self._of_reader_layouts(req.keys, objects, wanted, deadline)
         locked = req.keys[: len(objects)]
@@ -1094,10 +1098,8 @@ class Handlers:
         self.stats.retrieves += 1
         self.stats.retrieve_chunks += len(objects)
         self.stats.retrieve_bytes += sum(obj.size for obj in objects)
-        # Read after locking: a locked extent cannot go back to the allocator, so these
-        # are the generations the client must still find once it has read the bytes.
-        generations = self.storage.l1.generations(objects)
-        slots = [p.Slot(obj.offset, obj.size, gen) for obj, gen in zip(objects, generations, strict=True)]
+        # Not strict: ``generations`` also covers the objects a layout mismatch cut.
+        slots = [p.Slot(obj.offset, obj.size, gen) for obj, gen in zip(objects, generations, strict=False)]
         reply = p.RetrieveReply(req.req_id, slots=slots)
         if not locked:
             return reply, ()
