@@ -25,7 +25,6 @@ from test_writer_kernel_pid import (
     arena_path,
     fenced,
     older_client_stores_across_a_drop,
-    processes,  # noqa: F401 - the writer processes' fixture
     reserve_as,
     sweeps_after_now,
 )
@@ -55,7 +54,7 @@ def failures(server: TiersServer) -> Any:
 
 def test_the_loop_answers_while_a_scan_waits_and_the_fence_holds_until_it_ends(
     make_server: Any,
-    processes: list[subprocess.Popen[str]],  # noqa: F811 - the fixture imported above
+    processes: list[subprocess.Popen[str]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     server = make_server(**SHORT_TTL)
@@ -82,7 +81,7 @@ def test_the_loop_answers_while_a_scan_waits_and_the_fence_holds_until_it_ends(
 
 def test_a_failed_lookup_is_counted_and_the_hello_pid_stands_in(
     make_server: Any,
-    processes: list[subprocess.Popen[str]],  # noqa: F811 - the fixture imported above
+    processes: list[subprocess.Popen[str]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     server = make_server(**SHORT_TTL)
@@ -111,7 +110,7 @@ def test_a_failed_lookup_is_counted_and_the_hello_pid_stands_in(
 
 def test_a_commit_after_a_drop_is_tied_while_the_lookups_wait(
     server: TiersServer,
-    processes: list[subprocess.Popen[str]],  # noqa: F811 - the fixture imported above
+    processes: list[subprocess.Popen[str]],
 ) -> None:
     """The worker is held on the dropped connection's lookup: the commit on the new one
     settles both on the loop thread (once each) and is taken as the same process's."""
