@@ -462,9 +462,8 @@ class Client(Connection):
         l1_only: bool,
     ) -> int:
         sizes = [array.nbytes for array in arrays]
-        with self._lock:
-            reply = self._call(p.StoreReserve(0, "", keys, sizes, layouts), p.StoreReserveReply)
-            answered_over = self._answered_over
+        reply = self._call(p.StoreReserve(0, "", keys, sizes, layouts), p.StoreReserveReply)
+        answered_over = self._answered_over()
         if len(reply.slots) != len(keys):
             raise ProtocolError(f"STORE_RESERVE answered {len(reply.slots)} slots for {len(keys)} keys")
         reserved = [key for key, slot in zip(keys, reply.slots, strict=True) if slot.offset != p.NO_SLOT]

@@ -242,9 +242,11 @@ class Connection:
         # that came in early
         self._outstanding: dict[int, int] = {}
         self._early: dict[int, tuple[p.Reply, list[Any]]] = {}
-        # the _link_epoch of the request whose reply was taken last (read under the lock
-        # held across its call): whether the connection it came over has dropped since
-        self._answered_over = 0
+        # per thread, the _link_epoch of the request whose reply it took last (whether the
+        # connection that reply came over has dropped since): per thread, so a caller reads
+        # its own call's without holding the lock past the call, where other threads'
+        # calls (a greeting of a restarted server among them) must be free to run
+        self._answered = threading.local()
         # the id of the last request sent without waiting for its reply (a RELEASE after a
         # timeout, a late reply's follow-up), and of the last request whose reply came
         # (every request is numbered when sent, so a reply to a later one means the server
@@ -498,6 +500,11 @@ class Connection:
                 # Taken in now, the new connection and, before it, the old pipe's end.
                 _raw_get(self._socket, _EVENTS)
 
+    def _answered_over(self) -> int:
+        """The ``_link_epoch`` of the request whose reply this thread took last."""
+        over: int = getattr(self._answered, "over", 0)
+        return over
+
     def _link_lost(self, sent_at: int) -> bool:
         """Whether a request sent at ``sent_at`` (its ``_link_epoch``) can no longer be
         answered (caller holds the lock): the socket has no connection to the server now,
@@ -615,7 +622,7 @@ class Connection:
         except BaseException:
             self._give_up(request)
             raise
-        self._answered_over = self._outstanding.pop(req_id)
+        self._answered.over = self._outstanding.pop(req_id)
         self._last_answered_id = req_id  # sent after every request before it
         if reply.code != _OK:
             raise self._refusal(reply)
@@ -808,7 +815,7 @@ class Connection:
                 arrived = reply, frames
             else:
                 self._early_or_settle(frames, reply)
-        self._answered_over = self._outstanding.pop(req_id, sent_at)
+        self._answered.over = self._outstanding.pop(req_id, sent_at)
         self._last_answered_id = max(self._last_answered_id, req_id)
         reply, frames = arrived
         if reply.code != _OK:
