@@ -26,7 +26,9 @@ if the loop thread ran it.  :class:`ConnectionPeers` is what both front ends use
   connection past ``max_pending`` waiting for its scan, or one still waiting at the stop,
   is given up (its ``given_up`` reason): pending for ever, so its fences stay, and looked
   up again at its next request.  :meth:`ConnectionPeers.count_failures` counts and logs them;
-* connections of one live process share its watch (one pidfd per process);
+* connections of one live process share its watch (one pidfd per process), and so do
+  their stand-ins (below): a client opening and closing connections while it lives holds
+  one, not one per connection it ever had;
 * a connection whose client is in a pid namespace this server cannot see
   (:attr:`~lmcache_tiers.peer_process.PeerSocket.foreign`) is armed with none at once, no
   scan, and counted (the front end's ``foreign`` reason) once per connection: nothing here
@@ -106,7 +108,8 @@ class PeerWatch:
         #: by a pidfd until the scan ends (see :meth:`ConnectionPeers._settle`)
         self.pin: PeerProcess | None = None
         #: that pinned process, kept where the scan named no writer and the front end's
-        #: ``stand_in`` took it for the client's (set before the watch is armed)
+        #: ``stand_in`` took it for the client's (set before the watch is armed); shared
+        #: with the other connections of that process while it lives
         self.stand_in: PeerProcess | None = None
         self.armed = threading.Event()
         #: when the loop thread first saw the connection (``time.monotonic()``)
@@ -288,18 +291,25 @@ class ConnectionPeers:
                 watch.arm(pinned, not_writer=not_writer)
                 return
             if stands_in:
-                watch.stand_in, watch.pin = watch.pin, None
+                watch.stand_in, watch.pin = self._shared(watch.pin), None
             _unpin(watch)
-            if found is not None:
-                shared = self._by_pids.get(found.pids)
-                if shared is not None and shared.all_alive():
-                    # A pid names one process while it lives: this one.  Not one of which a
-                    # process exited: its pid may name another now, which it does not watch.
-                    found.close()
-                    found = shared
-                else:
-                    self._by_pids[found.pids] = found
-            watch.arm(found, not_writer=not_writer)
+            watch.arm(self._shared(found), not_writer=not_writer)
+
+    def _shared(self, process: PeerProcess | None) -> PeerProcess | None:
+        """The watch kept of ``process``'s live processes, shared by every connection of
+        theirs (one pidfd per process, not per connection: a client's connections come and
+        go while it lives), ``process`` closed if one is kept already; under the lock."""
+        if process is None:
+            return None
+        shared = self._by_pids.get(process.pids)
+        # Both alive at the moment the kept one is asked (``process`` was opened before
+        # and lives after it): a pid names one process while it lives, so they are one.
+        # Not one of which a process exited: its pid may name another now.
+        if shared is not None and shared.all_alive() and process.all_alive():
+            process.close()
+            return shared
+        self._by_pids[process.pids] = process
+        return process
 
     def _pinned_stands_in(self, watch: PeerWatch) -> bool:
         """Whether ``watch``'s pin may stand in for its writer (``stand_in``), asked while
