@@ -43,6 +43,7 @@ not start; the next refused call tries again), ``circuit_call_timeouts``,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import threading
@@ -332,8 +333,12 @@ class AsyncCircuitBackend(_Guard):
             if inspect.isawaitable(outcome):
                 await outcome
 
-    async def _bounded(self, call: Any) -> Any:
-        """Await ``call``, cancelled after ``call_timeout_s`` when set."""
+    async def _bounded(self, call: Any, reading: Sequence[ObjectKey] = ()) -> Any:
+        """Await ``call``, cancelled after ``call_timeout_s`` when set.  A lookup's keys
+        (``reading``) are noted as a read of their records until its task has ended, as a
+        plain backend's lookup on its helper thread: one that swallows the cancellation
+        goes on past its lookup op's end and may judge what it read after a store of a key
+        landed, which must count as one that may have replaced that record."""
         timeout = self.call_timeout_s
         if timeout is None:
             return await call
@@ -352,6 +357,10 @@ class AsyncCircuitBackend(_Guard):
         task = asyncio.ensure_future(call)
         self._timed.add(task)
         task.add_done_callback(self._timed_ended)
+        # Begun before the task first runs (a coroutine starts at the next loop step).
+        noted = contextlib.ExitStack()
+        noted.enter_context(self.context.reading_records(reading))
+        task.add_done_callback(lambda _: noted.close())
         try:
             done, _ = await asyncio.wait({task}, timeout=max(0.0, deadline - loop.time()))
         except asyncio.CancelledError:
@@ -388,7 +397,7 @@ class AsyncCircuitBackend(_Guard):
     async def _call(self, method: str, *args: Any) -> Any:
         call = getattr(self.inner, method)(*args)
         try:
-            result = await (self._bounded(call) if method == "contains_many" else call)
+            result = await (self._bounded(call, *args) if method == "contains_many" else call)
         except Exception as exc:
             self.failed(method, exc)
             raise
