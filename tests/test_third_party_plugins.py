@@ -226,11 +226,10 @@ def test_strict_refuses_to_start_with_a_broken_plugin(site: Path) -> None:
 
 def test_disabled_plugin_is_not_imported(site: Path) -> None:
     rows = _by_name(
-        run_cli(
-            ["plugins", "list", "--json"], site, LMCACHE_TIERS_DISABLE_PLUGINS="acme-broken, other"
-        ).stdout
+        run_cli(["plugins", "list", "--json"], site, LMCACHE_TIERS_DISABLE_PLUGINS="acme-broken, mock").stdout
     )
     assert rows["acme-broken"]["status"] == "disabled by LMCACHE_TIERS_DISABLE_PLUGINS"
+    assert rows["mock"]["status"] == "disabled by LMCACHE_TIERS_DISABLE_PLUGINS"
     result = run_cli(
         ["serve", "--strict", "--print-config", *POLICY_FLAGS],
         site,

@@ -11,6 +11,7 @@ refused (neither is used), while their other components stay usable.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import logging
 import os
@@ -25,7 +26,7 @@ from typing import Any, cast
 import pluggy
 
 from lmcache_tiers import hookspecs
-from lmcache_tiers.errors import PluginError, raised_by_a_plugin
+from lmcache_tiers.errors import ConfigError, PluginError, raised_by_a_plugin
 from lmcache_tiers.registry import CONTEST_WAY_OUT, ComponentRegistry, Kind, contest_text
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,24 @@ class PluginSet:
 def disabled_names() -> set[str]:
     raw = os.environ.get(DISABLE_ENV, "")
     return {part.strip().lower() for part in raw.split(",") if part.strip()}
+
+
+def refuse_unknown_disabled(disabled: set[str], installed: list[PluginInfo]) -> None:
+    """ConfigError when ``disabled`` holds a name that is neither the entry-point nor the
+    distribution name of an installed plugin: a typo would leave the plugin the operator
+    meant to keep out enabled, without a word."""
+    known = {name.lower() for info in installed for name in (info.name, info.distribution)}
+    unknown = sorted(disabled - known)
+    if not unknown:
+        return
+    names = sorted({info.name for info in installed})
+    named = ", ".join(repr(name) for name in unknown)
+    close = difflib.get_close_matches(unknown[0], [name.lower() for name in names], n=1, cutoff=0.5)
+    suggestion = f" (did you mean {close[0]!r}?)" if len(unknown) == 1 and close else ""
+    raise ConfigError(
+        f"{DISABLE_ENV} names {named}, which no installed plugin is called{suggestion}; "
+        f"installed plugins: {', '.join(names) or 'none'}"
+    )
 
 
 def new_manager() -> pluggy.PluginManager:
@@ -321,6 +340,7 @@ def discover(extra_plugins: dict[str, ModuleType] | None = None) -> PluginSet:
     registry = ComponentRegistry()
     disabled = disabled_names()
     pairs = _entry_point_infos()
+    refuse_unknown_disabled(disabled, [info for _, info in pairs])
     infos: dict[str, PluginInfo] = {}
     # Two distributions using one entry-point name cannot be told apart when loading:
     # both are refused and listed, rather than one of them silently shadowing the other.
