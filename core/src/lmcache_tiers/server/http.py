@@ -83,6 +83,9 @@ class _Server(ThreadingHTTPServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._connections: set[threading.Thread] = set()
+        #: the handlers of the connections being served, which the close ends
+        self._handlers: set[Any] = set()
+        self._closing = False
         self._connections_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
@@ -132,12 +135,32 @@ class _Server(ThreadingHTTPServer):
             self._forget_connection(threading.current_thread())
             self.slots.release()
 
+    def serving(self, handler: Any) -> bool:
+        """Track the handler of a connection being served until :meth:`served`; False once
+        the close began (the handler then ends its connection itself)."""
+        with self._connections_lock:
+            if self._closing:
+                return False
+            self._handlers.add(handler)
+            return True
+
+    def served(self, handler: Any) -> None:
+        with self._connections_lock:
+            self._handlers.discard(handler)
+
     def server_close(self) -> None:
-        """Close the socket, then wait for the connections being served: each ends by its
-        deadline (REQUEST_TIMEOUT_S), when the connection is shut down."""
+        """Close the socket, shut down the connections being served, then wait for their
+        threads.  Waiting for their deadline (REQUEST_TIMEOUT_S) instead would let a client
+        that keeps a connection open (idle, or sending its request slowly) hold the stop for
+        that long -- past the few seconds a forced stop gets before it is taken for a stuck
+        thread and the process is ended as a failed stop."""
         super().server_close()
         with self._connections_lock:
+            self._closing = True
             serving = list(self._connections)
+            handlers = list(self._handlers)
+        for handler in handlers:
+            handler.end_at_close()
         for thread in serving:
             thread.join()
 
@@ -234,16 +257,30 @@ class HttpEndpoint:
                 self._cutoff.name = DEADLINE_THREAD
                 self._cutoff.daemon = True
                 self._cutoff.start()
+                if not _server_of(self).serving(self):
+                    self.end_at_close()  # accepted before the close, set up after it
 
-            def _cut(self) -> None:
+            def _shut(self) -> bool:
+                """Shut the connection down, ending any read or write of it; False when it
+                was done already."""
                 with self._cut_lock:  # the socket is open until finish() has run
-                    if self._done:
-                        return
+                    if self._done or self._was_cut:
+                        return False
                     self._was_cut = True
                     try:
                         self.connection.shutdown(socket.SHUT_RDWR)
                     except OSError:
                         pass  # the peer reset it already
+                return True
+
+            def end_at_close(self) -> None:
+                """The endpoint stops: nothing more is read or answered (not a failure)."""
+                if self._shut():
+                    logger.debug("HTTP connection from %s closed: the endpoint stops", self.address_string())
+
+            def _cut(self) -> None:
+                if not self._shut():
+                    return
                 count(TIMED_OUT)
                 timeouts.warn(
                     TIMED_OUT,
@@ -256,6 +293,7 @@ class HttpEndpoint:
                 with self._cut_lock:
                     self._done = True
                 self._cutoff.cancel()
+                _server_of(self).served(self)
                 super().finish()
 
             def do_HEAD(self) -> None:
@@ -405,6 +443,13 @@ class HttpEndpoint:
             self._server.shutdown()
             self._thread.join(timeout=5)
         self._server.server_close()
+
+
+def _server_of(handler: BaseHTTPRequestHandler) -> _Server:
+    """The endpoint's server that a connection's handler was made by."""
+    server = handler.server
+    assert isinstance(server, _Server)
+    return server
 
 
 def _health_response(state: tuple[bool, str]) -> tuple[int, str, bytes]:
