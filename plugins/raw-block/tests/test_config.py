@@ -67,6 +67,8 @@ def test_an_lmcache_adapter_json_is_accepted_unchanged() -> None:
         ({"capacity_bytes": 4096}, "cannot hold a slot"),
         ({"slot_bytes": 0}, "slot_bytes"),
         ({"num_load_workers": 0}, "num_load_workers"),
+        # past threading.TIMEOUT_MAX the checkpoint thread's wait raises, ending periodic checkpoints
+        ({"meta_checkpoint_interval_sec": 10**10}, "meta_checkpoint_interval_sec"),
         ({"io_engine": "io_uring"}, "unknown field"),
     ],
 )

@@ -21,6 +21,9 @@ META_MIN_AREA_BYTES = 64 << 10
 #: the largest slot or capacity taken (1 EiB): past 2**63 the system calls cannot take
 #: the length (posix_fallocate raised OverflowError at start-up)
 MAX_BYTES = 1 << 60
+#: the longest checkpoint interval taken (a year): the checkpoint thread waits that long,
+#: and a wait past threading.TIMEOUT_MAX raised there, ending the periodic checkpoints
+MAX_CHECKPOINT_INTERVAL_S = 365 * 86400
 
 
 def lmcache_field(text: str) -> str:
@@ -154,6 +157,7 @@ class RawBlockConfig(L2AdapterConfig):
         int,
         msgspec.Meta(
             gt=0,
+            le=MAX_CHECKPOINT_INTERVAL_S,
             description=lmcache_field(
                 "Seconds between checkpoints of the slot index (written only when something "
                 "changed, and always at shutdown)."
