@@ -27,14 +27,14 @@ def until_the_drop_is_seen(client: Client) -> None:
 
 
 def restarted_at(
-    port: int, first: TiersServer, client: Client, make_server: Callable[..., TiersServer]
+    port: int, first: TiersServer, client: Client, make_server: Callable[..., TiersServer], **config: Any
 ) -> TiersServer:
-    """Stop ``first`` and start another server at ``port``, its address, once ``client``
-    has seen its connection drop."""
+    """Stop ``first`` and start another server at ``port``, its address (made with
+    ``config``), once ``client`` has seen its connection drop."""
     first.request_stop()
     assert first.frontends[0].join(30)
     until_the_drop_is_seen(client)
-    return make_server(port=port)
+    return make_server(port=port, **config)
 
 
 def reserved_by_another_thread(client: Client, keys: Sequence[ObjectKey], size: int) -> list[p.Slot]:

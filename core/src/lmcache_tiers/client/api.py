@@ -233,6 +233,27 @@ class Client(Connection):
                 self._dropped = True
                 raise
 
+    def _follow_server_for_limits(self) -> None:
+        """``_follow_server`` before a call that names no arena offsets but goes by the
+        limits and features of the last HELLO (a lookup): a server restarted at the address
+        may take fewer keys per request (it refuses a longer one as TOO_LARGE).  The
+        connection events are read here only when the call's send would read them (see
+        ``Connection._link_epoch``), so a lookup makes no system call more for it; a drop
+        since that read, less than half a reconnect interval ago, is left to
+        ``_refused_for_old_limits``."""
+        if self._dropped or not self._events_read_lately():
+            self._follow_server()
+
+    def _refused_for_old_limits(self, failure: ServerError, greeted: p.HelloReply) -> bool:
+        """Whether ``failure``, the refusal of a call cut by the limits of ``greeted``, came
+        from a server restarted at the address since, with a lower key limit (the restart
+        came after the call's look at the connection): that server is greeted now, and the
+        call is worth making once more, by its limits."""
+        if failure.code is not p.ErrorCode.TOO_LARGE:
+            return False
+        self._follow_server()
+        return self.server is not greeted
+
     def _greeted_again(self) -> None:
         """``_follow_server``'s HELLO and remapping (caller holds the lock)."""
         hello = self._greet()
@@ -330,6 +351,18 @@ class Client(Connection):
         """Delete these keys from L1 (those nobody holds locked); L2 copies stay.  Returns
         how many were deleted.  Raises ClientError on a server without EVICT."""
         keys = checked_keys(keys)
+        # Asked of the server the call goes to: one restarted at the address may be another
+        # release, with other limits.
+        self._follow_server()
+        greeted = self.server
+        try:
+            return self._evict(keys)
+        except ServerError as exc:
+            if not self._refused_for_old_limits(exc, greeted):
+                raise
+        return self._evict(keys)
+
+    def _evict(self, keys: list[ObjectKey]) -> int:
         if "evict" not in self.server_features:
             raise ClientError(f"the server at {self.url} has no EVICT request (it is older)")
         evicted = 0
@@ -371,6 +404,8 @@ class Client(Connection):
         ``lookup`` tells which keys are there.
         """
         keys = checked_keys(keys)
+        if l1_only:
+            self._follow_server()  # asked of the server the store goes to, restarted or not
         self._check_l1_only(l1_only)
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
@@ -545,10 +580,17 @@ class Client(Connection):
         """
         listed = checked_keys(keys)
         limit = self.timeout if timeout is None else checked_timeout(timeout)  # _call_seconds, inline
-        if 0 < len(listed) <= self.max_keys:  # one request, the usual case: no hop through _lookup
-            # The whole limit is left (a microsecond less at most): the wait sent is the
-            # same on every call, so the request's header is kept encoded but for its id.
-            return self._lookup_part(listed, time.monotonic() + limit, limit, limit)
+        self._follow_server_for_limits()
+        greeted = self.server
+        try:
+            if 0 < len(listed) <= self.max_keys:  # one request, the usual case: no hop through _lookup
+                # The whole limit is left (a microsecond less at most): the wait sent is the
+                # same on every call, so the request's header is kept encoded but for its id.
+                return self._lookup_part(listed, time.monotonic() + limit, limit, limit)
+            return self._lookup(listed, limit)
+        except ServerError as exc:
+            if not self._refused_for_old_limits(exc, greeted):
+                raise
         return self._lookup(listed, limit)
 
     def _lookup(self, keys: list[ObjectKey], limit: float) -> int:
@@ -601,6 +643,7 @@ class Client(Connection):
         limit = self._call_seconds(timeout)
         # All checked before the first is sent: those sent would lock keys meanwhile.
         key_lists = [checked_keys(keys, f"prompt {index}: ") for index, keys in enumerate(key_lists)]
+        self._follow_server_for_limits()
         deadline = time.monotonic() + limit
         results: list[int | None] = [None] * len(key_lists)
         try:
@@ -670,6 +713,7 @@ class Client(Connection):
         One handle covers one request, so at most ``max_keys`` keys (``lookup`` takes any
         number)."""
         keys = checked_keys(keys)
+        self._follow_server_for_limits()
         if len(keys) > self.max_keys:
             raise ValueError(
                 f"start_lookup takes at most {self.max_keys} keys (the server's limit per request), "

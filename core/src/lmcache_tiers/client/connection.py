@@ -477,6 +477,13 @@ class Connection:
                 self._await_connection_report()
         return self._drops - 1 if self._unlinked else self._drops
 
+    def _events_read_lately(self) -> bool:
+        """Whether a send now would not read the connection events again first (see
+        ``_link_epoch``): they were read less than ``_EVENTS_FRESH_S`` ago and found the
+        connection up, so a drop since left no other connection to reach another server
+        over yet."""
+        return not self._unlinked and time.monotonic() - self._events_read_at <= _EVENTS_FRESH_S
+
     def _await_connection_report(self) -> None:
         """While the last event seen is a drop and the socket can send all the same, read
         the events again (caller holds the lock), for up to ``_CONNECTION_REPORT_WAIT_S``:
