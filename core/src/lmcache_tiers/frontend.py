@@ -15,7 +15,10 @@ contract:
   (from a signal handler too); ``join()`` waits for it to drain, gives back every lock and
   reservation its clients still hold and closes its sockets;
 * ``stats()`` feeds ``/metrics``, ``status()`` its section of ``/status``, ``health()``
-  ``/healthz``.
+  ``/healthz``;
+* ``checks_auth_token`` (optional, False when absent) says whether its clients must
+  present the server's auth token (``context.auth_token``): ``/status`` reports
+  ``auth_required`` by it, so a protocol that carries no token never reads as protected.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ __all__ = [
     "FrontendContext",
     "FrontendStats",
     "check_frontends",
+    "checks_auth_token",
     "create_frontend",
     "merged_stats",
 ]
@@ -201,6 +205,16 @@ class Frontend(Protocol):
     def describe(self) -> str:
         """One line for the start-up banner, e.g. the protocol and the data path."""
         ...
+
+    # Not a member of the protocol, so that a front end written without it stays one:
+    # ``checks_auth_token: bool`` -- whether it refuses a request without the server's
+    # auth token when one is configured (read by :func:`checks_auth_token`).
+
+
+def checks_auth_token(frontend: Frontend) -> bool:
+    """Whether ``frontend`` declares that it checks the auth token (``checks_auth_token =
+    True``); one that does not say so is taken not to, as a protocol without credentials."""
+    return getattr(frontend, "checks_auth_token", False) is True
 
 
 def create_frontend(

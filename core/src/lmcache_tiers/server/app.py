@@ -47,7 +47,13 @@ from lmcache_tiers.close_steps import logged_close_failure
 from lmcache_tiers.config import ServerConfig, default_frontends, redact_url_secrets
 from lmcache_tiers.endpoints import is_loopback
 from lmcache_tiers.errors import ConfigError, SettingRefused, TiersError
-from lmcache_tiers.frontend import Frontend, FrontendStats, check_frontends, create_frontend
+from lmcache_tiers.frontend import (
+    Frontend,
+    FrontendStats,
+    check_frontends,
+    checks_auth_token,
+    create_frontend,
+)
 from lmcache_tiers.l2.scan_progress import watch_scans
 from lmcache_tiers.registry import ComponentRegistry, Kind
 from lmcache_tiers.server.banner import start_banner, stop_summary
@@ -218,7 +224,8 @@ class TiersServer:
         self.stale_segments_removed = list(stale_segments_removed)
         self.stale_segments_kept = list(stale_segments_kept)
         self.drain_timeout_s = drain_timeout_s = config.shutdown_timeout_s
-        self.auth_required = bool(auth_token)
+        # whether a token is configured; a front end requires it only if it checks it
+        self.has_auth_token = bool(auth_token)
         # monotonic: the uptime is a duration, which a step of the wall clock must not move
         self.started = time.monotonic()
         self._stopping = False
@@ -327,10 +334,14 @@ class TiersServer:
             readable.append((frontend.name, stats))
         return readable
 
+    def _requires_token(self, frontend: Frontend) -> bool:
+        return self.has_auth_token and checks_auth_token(frontend)
+
     def _frontend_status(self, frontend: Frontend) -> dict[str, Any]:
-        """A front end's ``/status`` entry, or its name and the error its ``status()`` raised."""
+        """A front end's ``/status`` entry, or its name and the error its ``status()``
+        raised; the entry with whether its clients must present the auth token."""
         try:
-            return frontend.status()
+            return {**frontend.status(), "auth_required": self._requires_token(frontend)}
         except Exception as exc:
             self._report_failed(frontend, "status", exc)
             return {"name": frontend.name, "error": f"{type(exc).__name__}: {exc}"}
@@ -363,7 +374,7 @@ class TiersServer:
             "uptime_s": round(time.monotonic() - self.started, 3),
             "shm_segment": shm,
             "l1_pages": pages.status() if pages is not None else None,
-            "auth_required": self.auth_required,
+            "auth_required": any(self._requires_token(frontend) for frontend in self.frontends),
             "draining": self._stopping,
             "plugins_failed_to_load": dict(self.failed_plugins),
             "l1_stale_segments_removed": list(self.stale_segments_removed),

@@ -41,6 +41,9 @@ def data_plane_of(context: FrontendContext) -> DataPlane:
 class NativeFrontend:
     """lmcache-tiers' own protocol on one ROUTER socket."""
 
+    #: every request carries the auth token when the server has one (``rpc.py`` compares it)
+    checks_auth_token = True
+
     def __init__(self, config: NativeConfig, context: FrontendContext) -> None:
         self.name = context.name
         self.config = config
@@ -105,7 +108,6 @@ class NativeFrontend:
             "protocol_version": p.PROTOCOL_VERSION,
             "shm_segment": self.data_plane.shm_name or None,
             "shm_dir": (self.data_plane.shm_dir or SHM_DIR) if self.data_plane.shm_name else None,
-            "auth_required": self._context.auth_token is not None,
             "draining": self.rpc.draining,
             **self.stats().snapshot(),
         }

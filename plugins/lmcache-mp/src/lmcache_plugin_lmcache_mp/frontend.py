@@ -29,6 +29,9 @@ REMOTE_WARNING = (
 class LMCacheMPFrontend:
     """LMCache's multi-process protocol on one ROUTER socket."""
 
+    #: LMCache's protocol carries no credentials: whoever reaches the address is served
+    checks_auth_token = False
+
     def __init__(self, config: LMCacheMPConfig, context: FrontendContext) -> None:
         self.name = context.name
         self.config = config
