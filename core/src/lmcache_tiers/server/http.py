@@ -329,7 +329,11 @@ class HttpEndpoint:
             def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
                 """The standard library answers a request it could not parse (400, 414, 431,
                 505) or whose method no ``do_*`` serves (501) here: counted and logged once
-                per burst, not only a debug line."""
+                per burst, not only a debug line.  A connection cut (at its deadline, or by
+                the stop) is answered nothing: what it had sent of its request when it was
+                cut is no request of its own, and the cut is counted once, as itself."""
+                if self._was_cut:
+                    return
                 count(REFUSED_MALFORMED)
                 _bad_requests.warn(
                     str(code),
