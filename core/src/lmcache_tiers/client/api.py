@@ -111,6 +111,16 @@ def _check_slots(segment: MappedSegment, slots: list[p.Slot]) -> None:
         raise ProtocolError(f"the server named {exc}") from None
 
 
+def _stored_count(request: str, reply: p.StoreReply, keys: Sequence[ObjectKey]) -> int:
+    """How many of ``keys`` the reply to their STORE_COMMIT or STORE_INLINE (``request``)
+    says were newly stored: one flag per key sent, in order.  Flags of another count cannot
+    be matched to the keys -- one more counted a key stored that was never sent -- so that
+    is the server's answer at fault, and nothing of it is counted."""
+    if len(reply.done) != len(keys):
+        raise ProtocolError(f"{request} answered {len(reply.done)} flags for {len(keys)} keys")
+    return sum(reply.done)
+
+
 def _copy_into(target: np.ndarray[Any, Any], source: np.ndarray[Any, Any]) -> None:
     if target.nbytes < source.nbytes:
         raise ValueError(f"buffer of {target.nbytes} bytes is too small for {source.nbytes}")
@@ -462,7 +472,7 @@ class Client(Connection):
         for batch_keys, batch_arrays, batch_layouts in self._inline_batches(list(keys), arrays, layouts):
             request = p.StoreInline(0, "", batch_keys, _sent_layouts(batch_layouts), l1_only)
             reply = self._call(request, p.StoreReply, payloads=batch_arrays)
-            stored += sum(reply.done)
+            stored += _stored_count("STORE_INLINE", reply, batch_keys)
         return stored
 
     def _inline_batches(
@@ -549,8 +559,8 @@ class Client(Connection):
             self._greet_again_if_dropped()
             if not self._reserved_here(segment):
                 raise _ServerChanged(self.url)  # the bytes went into the old server's segment
-            done = self._call(p.StoreCommit(0, "", reserved, l1_only), p.StoreReply).done
-        return sum(done)
+            committed = self._call(p.StoreCommit(0, "", reserved, l1_only), p.StoreReply)
+        return _stored_count("STORE_COMMIT", committed, reserved)
 
     def _greet_again_if_dropped(self) -> None:
         """Before a commit or abort: a connection that dropped since the reservation came
