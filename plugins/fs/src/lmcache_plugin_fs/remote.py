@@ -300,20 +300,25 @@ class RemoteRecords:
                 header = self.context.read_record_header(prefix, key)
                 if header is None:
                     return False  # another serde chain: kept
-                if header.header_len != header_len or header.header_len + header.payload_len != size:
+                if header.header_len + header.payload_len != size:
                     raise RecordError(
                         f"file is {size} bytes, its header says {header.header_len + header.payload_len}"
                     )
-                if header.payload_len != buffer.nbytes:
-                    # Another intact object of another size (replaced since the lookup by
-                    # another writer): a miss, kept, counted as the local loads count it.
+                if header.header_len != header_len or header.payload_len != buffer.nbytes:
+                    # Another intact object (replaced since the lookup by another writer:
+                    # another chunk size, or a header not padded as this one pads it): a
+                    # miss, kept, counted and told as the local loads do.
                     self.context.count("load_size_changed")
                     self.context.warn(
                         "size_changed",
-                        "%s holds %d payload bytes, a load expected %d (replaced since the lookup): "
-                        "a miss, kept",
+                        "%s is a record of %d bytes (header %d, payload %d), a load expected %d (header "
+                        "%d, payload %d) (replaced since the lookup): a miss, kept",
                         shown(path),
+                        size,
+                        header.header_len,
                         header.payload_len,
+                        header_len + buffer.nbytes,
+                        header_len,
                         buffer.nbytes,
                     )
                     return False
