@@ -233,6 +233,7 @@ class Handlers:
         self._expired_results = BurstLog(logger, "prefetch_result_expired")
         self._layout_mismatches = BurstLog(logger, "retrieve_layout_mismatch")
         self._lost_reservations = BurstLog(logger)
+        self._unhanded_reservations = BurstLog(logger)
         self._expired_reservations = BurstLog(logger, "store_reservation_expired")
         self._undelivered = BurstLog(logger, "reply_dropped")
         #: requests handed to the pool and not answered yet (loop thread only)
@@ -600,14 +601,38 @@ class Handlers:
             raise HandlerError(
                 p.ErrorCode.OUT_OF_MEMORY, "the reservations expired before they could be handed out"
             )
-        if reserved:
-            self._note_writer(session, identity)
-            session.writer_connection = connection
-        session.add_writes(reserved, self.sessions.write_deadline(now))
+        try:
+            if reserved:
+                self._note_writer(session, identity)
+                session.writer_connection = connection
+            session.add_writes(reserved, self.sessions.write_deadline(now))
+            if not reserved:
+                return self._reserve_reply(req, reserved), ()
+            undelivered = functools.partial(self._reservations_undelivered, session, reserved)
+            return Handed(self._reserve_reply(req, reserved), (), undelivered)
+        except BaseException:
+            self._reservations_not_handed(session, reserved)
+            raise
+
+    def _reservations_not_handed(self, session: Session, reserved: Mapping[ObjectKey, Any]) -> None:
+        """A STORE_RESERVE raised after L1 reserved and fenced ``reserved``: its client is
+        answered with the error (counted by its code, its keys among the refused ones) and
+        never told their slots, so nobody copies into them, commits or aborts them.  Left,
+        they stayed reserved until the write TTL, then fenced until the server stopped: the
+        session, whose commit, abort or writer's exit lifts a fence, may not even hold
+        them.  Given back now, those the session holds forgotten first."""
         if not reserved:
-            return self._reserve_reply(req, reserved), ()
-        undelivered = functools.partial(self._reservations_undelivered, session, reserved)
-        return Handed(self._reserve_reply(req, reserved), (), undelivered)
+            return
+        session.take_reserved(reserved)
+        self.storage.abort_reserved(reserved)
+        self.storage.l1.writers_done(list(reserved.values()))
+        self._forget_writers_if_idle(session)
+        self._unhanded_reservations.warn(
+            "reservations",
+            "a STORE_RESERVE failed after L1 reserved its keys: its %d reservations were given "
+            "back, their keys not stored (counted as refused under the request's error)",
+            len(reserved),
+        )
 
     def _reserve_reply(self, req: p.StoreReserve, reserved: dict[ObjectKey, Any]) -> p.StoreReserveReply:
         """The slots of ``reserved``, one per key ``req`` names (NO_SLOT where none)."""
