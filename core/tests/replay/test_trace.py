@@ -28,7 +28,7 @@ def test_extra_fields_and_blank_lines_are_fine(tmp_path: Path) -> None:
 def test_a_repeated_block_ends_the_prefix(tmp_path: Path) -> None:
     path = write_trace(
         tmp_path / "t.jsonl",
-        [{"timestamp": 0, "input_length": 9, "output_length": 1, "hash_ids": [1, 2, 1, 3]}],
+        [{"timestamp": 0, "input_length": 2048, "output_length": 1, "hash_ids": [1, 2, 1, 3]}],
     )
     assert read_trace(path).requests[0].hash_ids == (1, 2)
 
@@ -128,8 +128,8 @@ def test_limit_reads_only_the_head(tmp_path: Path) -> None:
 
 def test_chain_conflicts_are_found(tmp_path: Path) -> None:
     lines = [
-        {"timestamp": 0, "input_length": 9, "output_length": 1, "hash_ids": [1, 2]},
-        {"timestamp": 1, "input_length": 9, "output_length": 1, "hash_ids": [3, 2]},
+        {"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]},
+        {"timestamp": 1, "input_length": 1024, "output_length": 1, "hash_ids": [3, 2]},
     ]
     assert read_trace(write_trace(tmp_path / "t.jsonl", lines)).chain_conflicts() == 1
 
@@ -138,9 +138,9 @@ def test_chain_conflicts_count_blocks_not_references(tmp_path: Path) -> None:
     # The report says "N blocks appear after two different parents": a block sent again
     # and again after its second parent is still one block.
     lines = [
-        {"timestamp": 0, "input_length": 9, "output_length": 1, "hash_ids": [1, 2]},
-        *({"timestamp": 1, "input_length": 9, "output_length": 1, "hash_ids": [3, 2]} for _ in range(4)),
-        {"timestamp": 2, "input_length": 9, "output_length": 1, "hash_ids": [4, 2]},
+        {"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]},
+        *({"timestamp": 1, "input_length": 1024, "output_length": 1, "hash_ids": [3, 2]} for _ in range(4)),
+        {"timestamp": 2, "input_length": 1024, "output_length": 1, "hash_ids": [4, 2]},
     ]
     assert read_trace(write_trace(tmp_path / "t.jsonl", lines)).chain_conflicts() == 1
 

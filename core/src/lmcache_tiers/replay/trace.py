@@ -136,6 +136,16 @@ def _parse_line(raw: bytes, where: str) -> TraceRequest:
     for block in line.hash_ids:
         if not 0 <= block < 1 << 64:
             raise TraceError(f"{where}: hash id {block} is outside 0..2**64-1")
+    # More ids than the prompt has blocks are blocks of another size (a trace hashed every
+    # 16 tokens, say): replayed, each hit would count as 512 tokens, capped at the prompt,
+    # and two hits out of 63 showed as a token hit rate of 100 %.  Fewer are fine: a trace
+    # may hash only whole blocks, and the tokens past its ids are then never hit.
+    blocks = -(-line.input_length // BLOCK_TOKENS)
+    if len(line.hash_ids) > blocks:
+        raise TraceError(
+            f"{where}: {len(line.hash_ids)} hash ids for {line.input_length} input tokens, but a "
+            f"Mooncake trace has one id per {BLOCK_TOKENS}-token block of the prompt (at most {blocks} here)"
+        )
     return TraceRequest(line.timestamp, line.input_length, line.output_length, _unique_prefix(line.hash_ids))
 
 
