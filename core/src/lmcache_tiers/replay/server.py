@@ -398,6 +398,7 @@ def _replay_server(
 ) -> ReplayReport:
     with Client(url, timeout=options.timeout_s, auth_token=auth_token, name="replay-status") as probe:
         before = probe.status()
+        before_read = time.monotonic()  # the server counted it before this (see _restart_between)
     totals = ReplayTotals()
 
     def report(after: dict[str, Any] | None, stopped: str | None = None) -> ReplayReport:
@@ -423,7 +424,14 @@ def _replay_server(
     unread: str | None = "a second signal asked not to wait for them"
     late_signal: KeyboardInterrupt | SystemExit | None = None
     if not _cut_short.asked:
+        asked_at = time.monotonic()
         after, unread, late_signal = _counters_after(url, auth_token, wait_s)
+        restart = None if after is None else _restart_between(before, after, asked_at - before_read)
+        if restart is not None:
+            # The client follows a server restarted at its address, so the replay went on;
+            # the difference of two processes' counters is none of its figures (negative
+            # after a busy first life, short otherwise).
+            after, unread = None, restart
     if failure is not None:
         logger.warning("replay: ended early %s: %s", measured(), failure)
         raise ReplayStopped(
@@ -448,6 +456,32 @@ def _replay_server(
             1,
         )
     return report(after)
+
+
+#: how far a server's uptime may fall behind this process's clock between two STATUS
+#: replies of one server process: the two clocks' rates differ by a few hundred ppm at most
+RESTART_SLACK_S = 1.0
+RESTART_SLACK_RATE = 0.002
+
+
+def _restart_between(before: dict[str, Any], after: dict[str, Any], elapsed_s: float) -> str | None:
+    """Why ``after`` is the STATUS of another server process than ``before`` (the server
+    restarted during the replay), or None.  ``elapsed_s`` passed between the two replies at
+    least, so the uptime of one process grew at least that much; a new process (the same
+    pid in a container) started after the first reply, so its uptime grew less by the old
+    one's uptime then."""
+    old, new = before.get("server", {}), after.get("server", {})
+    if old.get("pid") != new.get("pid"):
+        return f"the server restarted during the replay (pid {old.get('pid')}, then {new.get('pid')})"
+    old_up, new_up = old.get("uptime_s"), new.get("uptime_s")
+    if not isinstance(old_up, (int, float)) or not isinstance(new_up, (int, float)):
+        return None
+    if new_up - old_up < elapsed_s - (RESTART_SLACK_S + RESTART_SLACK_RATE * elapsed_s):
+        return (
+            f"the server restarted during the replay (up {old_up:.1f} s at its start, "
+            f"{new_up:.1f} s at its end, {elapsed_s:.1f} s later)"
+        )
+    return None
 
 
 def _counters_after(
