@@ -12,5 +12,6 @@ class OtherProcessClient(Client):
     earlier connection (a commit or abort of keys a client of the same process holds no
     reservation of names those, see test_write_fence.py)."""
 
-    def _greet(self) -> p.HelloReply:
-        return self._call(p.Hello(0, self._token, p.PROTOCOL_VERSION, self._name, 1), p.HelloReply)
+    def _greet(self, timeout: float | None = None) -> p.HelloReply:
+        hello = p.Hello(0, self._token, p.PROTOCOL_VERSION, self._name, 1)
+        return self._call(hello, p.HelloReply, timeout=timeout)

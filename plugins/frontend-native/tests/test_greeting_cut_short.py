@@ -39,8 +39,8 @@ def test_a_store_after_a_greeting_cut_short_goes_to_the_restarted_servers_segmen
         greet = client._greet
         compared = api._segment_identity
 
-        def greeting() -> p.HelloReply:
-            greeted.append(greet())
+        def greeting(*args: Any) -> p.HelloReply:
+            greeted.append(greet(*args))
             return greeted[-1]
 
         def interrupted(hello: p.HelloReply) -> Any:

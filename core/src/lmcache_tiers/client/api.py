@@ -222,13 +222,13 @@ class Client(Connection):
             )
             return None
 
-    def _follow_server(self) -> None:
+    def _follow_server(self, timeout: float | None = None) -> None:
         """Before a request that names arena offsets: if the connection dropped since the
         last HELLO, greet the server again and, when it offers another segment than the
         mapped one (it restarted), map that one instead (or go inline).  Without this,
         offsets from a restarted server would be read from, and written into, the old
         server's memory: wrong bytes out, and stores acknowledged whose bytes never
-        arrived."""
+        arrived.  ``timeout`` bounds the HELLO (None: the client's timeout)."""
         if not self._connection_dropped():
             return
         with self._lock:
@@ -238,21 +238,22 @@ class Client(Connection):
             # not be trusted.
             try:
                 self._dropped = False
-                self._greeted_again()
+                self._greeted_again(timeout)
             except BaseException:
                 self._dropped = True
                 raise
 
-    def _follow_server_for_limits(self) -> None:
+    def _follow_server_for_limits(self, timeout: float | None = None) -> None:
         """``_follow_server`` before a call that names no arena offsets but goes by the
         limits and features of the last HELLO (a lookup): a server restarted at the address
         may take fewer keys per request (it refuses a longer one as TOO_LARGE).  The
         connection events are read here only when the call's send would read them (see
         ``Connection._link_epoch``), so a lookup makes no system call more for it; a drop
         since that read, less than half a reconnect interval ago, is left to
-        ``_refused_for_old_limits``."""
+        ``_refused_for_old_limits``.  ``timeout``: the bound of its HELLO, as in
+        ``_follow_server``."""
         if self._dropped or not self._events_read_lately():
-            self._follow_server()
+            self._follow_server(timeout)
 
     def _refused_for_old_limits(self, failure: ServerError, greeted: p.HelloReply) -> bool:
         """Whether ``failure``, the refusal of a call cut by the limits of ``greeted``, came
@@ -264,9 +265,9 @@ class Client(Connection):
         self._follow_server()
         return self.server is not greeted
 
-    def _greeted_again(self) -> None:
+    def _greeted_again(self, timeout: float | None = None) -> None:
         """``_follow_server``'s HELLO and remapping (caller holds the lock)."""
-        hello = self._greet()
+        hello = self._greet(timeout)
         self.server = hello
         self.max_keys = max(1, hello.max_keys)
         self._lookup_waits = "lookup_wait" in hello.features
@@ -653,8 +654,10 @@ class Client(Connection):
         limit = self._call_seconds(timeout)
         # All checked before the first is sent: those sent would lock keys meanwhile.
         key_lists = [checked_keys(keys, f"prompt {index}: ") for index, keys in enumerate(key_lists)]
-        self._follow_server_for_limits()
         deadline = time.monotonic() + limit
+        # Within the call's bound too: the client's whole timeout (infinite, maybe) spent
+        # waiting for a server not back yet would stall the caller's step past its own.
+        self._follow_server_for_limits(limit)
         results: list[int | None] = [None] * len(key_lists)
         try:
             return self._lookup_many(key_lists, results, deadline, limit, window)

@@ -393,9 +393,11 @@ class Connection:
                 return
             self._early_or_settle(frames, reply)
 
-    def _greet(self) -> p.HelloReply:
-        """HELLO: the server's data-plane parameters (segment, limits, features)."""
-        return self._call(p.Hello(0, self._token, p.PROTOCOL_VERSION, self._name, os.getpid()), p.HelloReply)
+    def _greet(self, timeout: float | None = None) -> p.HelloReply:
+        """HELLO: the server's data-plane parameters (segment, limits, features), within
+        ``timeout`` (None: the client's)."""
+        hello = p.Hello(0, self._token, p.PROTOCOL_VERSION, self._name, os.getpid())
+        return self._call(hello, p.HelloReply, timeout=timeout)
 
     def _connection_dropped(self) -> bool:
         """Whether the connection to the server dropped since the last HELLO: the socket
