@@ -334,7 +334,8 @@ def test_the_books_balance(
     hits = value(found, "lookup_hit_chunks_total", tier="l1") + value(
         found, "lookup_hit_chunks_total", tier="l2"
     )
-    # Hits a prefetch found are counted as it ends; those of a result nobody claimed in
+    # Hits a prefetch found are counted as it ends (one given up with no result, still
+    # queued or loading at its deadline, counts none); those of a result nobody claimed in
     # time were never answered (under these 0.3 s TTLs a LOOKUP waiting for its prefetch on
     # a loaded machine may reach the result after it expired, and is answered 0 hits).
     assert hits == tally.hits + sum(unclaimed), (hits, tally.hits, unclaimed)

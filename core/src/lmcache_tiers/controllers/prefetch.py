@@ -200,8 +200,13 @@ class PrefetchController(ControllerThread):
         only when it is not a repeat: it is then the first of ``unique``'s keys past L1's."""
         unique = unique_prefix(keys)
         remaining = len(unique) - l1_hits
-        self.stats.add_lookup(len(unique), l1_hits)
+        # The L1 prefix's hits are counted with the answer: here if it is given at once,
+        # with the result if the request is queued (``_finish``).  A queued request can
+        # end with no hits for its owner -- given up at its deadline, cancelled by a stop
+        # -- and its lookup was then a miss, not ``l1_hits`` hits.
+        self.stats.add_lookup(len(unique), 0)
         if remaining == 0:
+            self.stats.add("l1_hit_chunks", l1_hits)
             return handle, locked
         logger.debug(
             "Prefetch request submitted: %d total keys, %d L1 prefix hits, %d remaining for L2",
@@ -213,7 +218,9 @@ class PrefetchController(ControllerThread):
         request = PrefetchRequest(handle, unique, readers, l1_hits, until, self.l1.lock_deadline(started))
         try:
             if self._look_up_now(request, failed, probed) and not any(request.pinned.values()):
-                return handle, locked  # every adapter answered at once, and nothing was found
+                # every adapter answered at once, and nothing was found
+                self.stats.add("l1_hit_chunks", l1_hits)
+                return handle, locked
             queued = self._handles.enqueue(request)
         except BaseException:
             # Not queued, so no controller will ever give back the pins its answers took
@@ -222,6 +229,7 @@ class PrefetchController(ControllerThread):
             raise
         if not queued:  # shutting down
             self._locks.release_pins(request)
+            self.stats.add("l1_hit_chunks", l1_hits)
             return handle, locked
         return handle, None
 
@@ -408,8 +416,7 @@ class PrefetchController(ControllerThread):
         # Objects that became READY while the request was queued extend its L1 prefix.
         extra = self._locks.lock_l1_prefix(request.keys, request.l1_hits, request.readers)
         if extra:
-            request.l1_hits += extra
-            self.stats.add("l1_hit_chunks", extra)
+            request.l1_hits += extra  # counted with the result, as the rest of the prefix
             self._locks.drop_leading_answers(request, extra)
         request.remaining = request.keys[request.l1_hits :]
         if not request.remaining:
@@ -767,14 +774,19 @@ class PrefetchController(ControllerThread):
         self._locks.release_pins(request)
         cut = self._locks.hand_off(request, request.not_before)
         l2_hits = sum(1 for source in request.sources[:cut] if source is not None)
-        self.stats.add("l2_hit_chunks", l2_hits)
-        self.stats.add("l1_hit_chunks", cut - l2_hits)
-        self._finish(request, cut)
+        self._finish(request, cut, l2_hits)
 
-    def _finish(self, request: PrefetchRequest, l2_prefix: int) -> None:
-        """Publish the result and forget the request (all its locks are settled)."""
+    def _finish(self, request: PrefetchRequest, l2_prefix: int, l2_hits: int = 0) -> None:
+        """Publish the result and forget the request (all its locks are settled).  Its hits
+        are counted here, as the result gives them: ``l2_hits`` of the ``l2_prefix`` keys
+        past the L1 prefix were loaded, the others were in L1 (as was the prefix).  A
+        request that ends with no result counts none (its owner is answered 0)."""
         self._unclaim(request)
         hits = request.l1_hits + l2_prefix
+        if l2_hits:
+            self.stats.add("l2_hit_chunks", l2_hits)
+        if hits > l2_hits:
+            self.stats.add("l1_hit_chunks", hits - l2_hits)
         result = HeldResult(
             hits, request.keys[:hits], request.readers, request.result_deadline, request.not_before
         )
