@@ -8,7 +8,8 @@ import socket
 import pytest
 
 from lmcache_tiers.server import http as http_endpoint
-from lmcache_tiers.server.http import TIMED_OUT, HttpEndpoint
+from lmcache_tiers.server.http import TIMED_OUT
+from lmcache_tiers.testing.http_endpoints import counting_endpoint, port_of
 
 
 @pytest.mark.parametrize(
@@ -20,16 +21,11 @@ def test_a_request_line_cut_at_the_deadline_is_counted_once(
     monkeypatch: pytest.MonkeyPatch, sent: bytes
 ) -> None:
     monkeypatch.setattr(http_endpoint, "REQUEST_TIMEOUT_S", 0.3)
-    counted: list[str] = []
-    served = HttpEndpoint(
-        "127.0.0.1", 0, metrics=bytes, status=dict, health=lambda: (True, "ok"), failed=counted.append
-    )
-    served.start()
-    try:
-        port = int(served.url.rsplit(":", 1)[1])
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
-            client.sendall(sent)
-            assert client.recv(1 << 16) == b""  # cut at the deadline, nothing answered
-    finally:
-        served.stop()  # joins the connection's thread: whatever it counts is counted now
+    with (
+        counting_endpoint() as (served, counted),
+        socket.create_connection(("127.0.0.1", port_of(served)), timeout=30) as client,
+    ):
+        client.sendall(sent)
+        assert client.recv(1 << 16) == b""  # cut at the deadline, nothing answered
+    # the stop joined the connection's thread: whatever it counts is counted now
     assert counted == [TIMED_OUT]

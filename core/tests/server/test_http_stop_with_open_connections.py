@@ -14,6 +14,7 @@ import pytest
 
 from lmcache_tiers.server import http as http_endpoint
 from lmcache_tiers.server.http import CONNECTION_THREAD, HttpEndpoint
+from lmcache_tiers.testing.http_endpoints import counting_endpoint, port_of
 
 #: a deadline no stop may wait for: the stop must not depend on it
 NEVER_S = 3600.0
@@ -24,19 +25,13 @@ STOP_WAIT_S = 30.0
 @pytest.fixture
 def endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[HttpEndpoint, list[str]]]:
     monkeypatch.setattr(http_endpoint, "REQUEST_TIMEOUT_S", NEVER_S)
-    counted: list[str] = []
-    served = HttpEndpoint(
-        "127.0.0.1", 0, metrics=bytes, status=dict, health=lambda: (True, "ok"), failed=counted.append
-    )
-    served.start()
-    yield served, counted
-    served.stop()
+    with counting_endpoint() as endpoint:
+        yield endpoint
 
 
 def _connect(served: HttpEndpoint, sent: bytes) -> socket.socket:
     """A connection the endpoint has taken (its thread runs), having sent ``sent``."""
-    port = int(served.url.rsplit(":", 1)[1])
-    client = socket.create_connection(("127.0.0.1", port), timeout=STOP_WAIT_S)
+    client = socket.create_connection(("127.0.0.1", port_of(served)), timeout=STOP_WAIT_S)
     client.sendall(sent)
     deadline = time.monotonic() + STOP_WAIT_S
     while not any(thread.name == CONNECTION_THREAD for thread in threading.enumerate()):

@@ -28,6 +28,7 @@ from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.server.http import HttpEndpoint
 from lmcache_tiers.server.metrics import MAX_EXPORTED_STATS, build_registry, render
+from lmcache_tiers.testing.http_endpoints import counting_endpoint, port_of
 from lmcache_tiers.testing.ports import free_port
 
 Factory = Callable[..., TiersServer]
@@ -285,13 +286,8 @@ def test_a_connection_that_trickles_its_request_is_cut_at_the_deadline(
     """A byte now and then, each within the idle timeout, would otherwise hold one of the
     endpoint's threads for as long as the client likes (headers may run to megabytes)."""
     monkeypatch.setattr("lmcache_tiers.server.http.REQUEST_TIMEOUT_S", 0.5, raising=False)
-    counted: list[str] = []
-    served = HttpEndpoint(
-        "127.0.0.1", 0, metrics=bytes, status=dict, health=lambda: (True, "ok"), failed=counted.append
-    )
-    served.start()
-    try:
-        port = int(served.url.rsplit(":", 1)[1])
+    with counting_endpoint() as (served, counted):
+        port = port_of(served)
         with socket.create_connection(("127.0.0.1", port), timeout=5) as slow:
             slow.sendall(b"GET /metrics HTTP/1.1\r\n")
             started = time.monotonic()
@@ -316,8 +312,6 @@ def test_a_connection_that_trickles_its_request_is_cut_at_the_deadline(
         assert cut, "the trickling connection was still open after 4 s (deadline 0.5 s)"
         assert counted == ["http_connection_timed_out"]
         assert request(served, "GET", "/healthz")[0] == 200  # still serving
-    finally:
-        served.stop()
 
 
 def test_connections_beyond_the_limit_are_closed_at_once_and_counted(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -326,13 +320,8 @@ def test_connections_beyond_the_limit_are_closed_at_once_and_counted(monkeypatch
     server.  Those over the limit are closed at once, counted; a slot that frees up
     serves again."""
     monkeypatch.setattr("lmcache_tiers.server.http.MAX_CONNECTIONS", 2, raising=False)
-    counted: list[str] = []
-    served = HttpEndpoint(
-        "127.0.0.1", 0, metrics=bytes, status=dict, health=lambda: (True, "ok"), failed=counted.append
-    )
-    served.start()
-    try:
-        port = int(served.url.rsplit(":", 1)[1])
+    with counting_endpoint() as (served, counted):
+        port = port_of(served)
         idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
         try:
             time.sleep(0.3)  # both accepted and holding their threads
@@ -349,8 +338,6 @@ def test_connections_beyond_the_limit_are_closed_at_once_and_counted(monkeypatch
                     break
             assert time.monotonic() < deadline, "the slots of closed connections were not given back"
             time.sleep(0.05)
-    finally:
-        served.stop()
 
 
 class _GrowingWhileIterated(Counter[str]):
