@@ -429,12 +429,9 @@ class Handlers:
         """A STORE_RESERVE reply was not sent: no one copies into its slots nor commits
         them, so its reservations are aborted now, their keys counted refused."""
         mine = session.take_reserved(reserved)
-        objs = list(mine.values())
+        self._give_back_reserved(session, mine)
         if mine:
-            self.storage.abort_reserved(mine)
-            self.storage.l1.writers_done(objs)  # fenced at the reserve: nobody copies into them
             self.stats.store_keys_refused["reply_dropped"] += len(mine)
-        self._forget_writers_if_idle(session)
         self._undelivered.warn(
             "reservations",
             "a STORE_RESERVE reply could not be sent (the client is gone or not reading its "
@@ -442,6 +439,14 @@ class Handlers:
             "(store_keys_refused reason reply_dropped)",
             len(mine),
         )
+
+    def _give_back_reserved(self, session: Session, reserved: Mapping[ObjectKey, Any]) -> None:
+        """Abort ``reserved`` -- reservations no client copies into, fenced at the reserve --
+        and lift their fences; ``session`` stops counting as a writer once it holds none."""
+        if reserved:
+            self.storage.abort_reserved(reserved)
+            self.storage.l1.writers_done(list(reserved.values()))
+        self._forget_writers_if_idle(session)
 
     def _pending(self, identity: bytes, wire_handle: int) -> tuple[Session, int, PendingPrefetch]:
         """The caller's pending prefetch named by ``wire_handle`` (what its LOOKUP was
@@ -624,9 +629,7 @@ class Handlers:
         if not reserved:
             return
         session.take_reserved(reserved)
-        self.storage.abort_reserved(reserved)
-        self.storage.l1.writers_done(list(reserved.values()))
-        self._forget_writers_if_idle(session)
+        self._give_back_reserved(session, reserved)
         self._unhanded_reservations.warn(
             "reservations",
             "a STORE_RESERVE failed after L1 reserved its keys: its %d reservations were given "
