@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator, Sequence
+from stat import S_ISREG
 
 from lmcache_plugin_nixl.availability import check_before_l1, check_direct_io
 from lmcache_plugin_nixl.config import FILE_PATH_FIELD, NixlStoreDynamicConfig
@@ -130,6 +131,11 @@ class NixlDynamicBackend:
             stat = os.stat(self.layout.path_for(key))
         except ABSENT_FILE_ERRORS:
             return None  # other errors fail the lookup batch
+        if not S_ISREG(stat.st_mode):
+            # A directory (or another kind of file) someone made at the record's name holds
+            # no record: the key is absent -- not a hit of its size (4096 on ext4, a
+            # header's length), nor a damaged record to remove.
+            return None
         stored = stat.st_size - self._records.header_length(key)
         if stored < 0:
             self.files.discard(key, identity_of(stat), "truncated_records_removed", "shorter than its header")
