@@ -7,7 +7,8 @@ hands during the copy -- a forced delete meanwhile quarantines the extent -- and
 NVMe transfer never stalls other callers.  A close (the server stopping) landing between
 the check and the copy releases the backing, which then refuses the copy: the read is a
 miss (``l1_read_closed``), the write a failed store (``l1_write_closed``), each a KeyError
-as for an object that left L1, counted and logged once a minute.
+as for an object that left L1, counted and logged once a minute.  A close landing while the
+copy runs, found by the checks after it, ends the copy the same way.
 
 Bytes copied out of the NVMe file are checked against its write-back errors
 (``NvmeL1File.writeback_errors``): an error the kernel reports after an object's bytes
@@ -113,6 +114,11 @@ class ObjectBytes:
             # the backing (a released arena view, a closed file), which refuses the copy.
             self._fail_if_closed(obj)
             raise
+        if self._table.closed:
+            # A close that landed while the copy ran (it waits for NVMe transfers, and an
+            # arena stays mapped under views): the bytes went into a released L1, never
+            # to be committed.  A bool read: no lock on every write's path.
+            self._fail_if_closed(obj)
 
     def _count_write_error(self, obj: L1Object, exc: OSError) -> None:
         """A copy into the NVMe file failed.  The OSError goes on to the writer, whose store
@@ -259,6 +265,9 @@ class ObjectBytes:
         with self._lock:
             if self._leases.holds(obj) or self._table.objects.get(obj.key) is obj:
                 return
+        # A close landing after the copy's own transfer empties the table: the close's
+        # counted miss, not an object that left an open L1.
+        self._miss_if_closed(obj)
         raise KeyError(f"{obj.key} left L1 while it was being copied out: its extent may hold other bytes")
 
     def _check_written_back(self, obj: L1Object) -> None:
@@ -267,7 +276,12 @@ class ObjectBytes:
         disk had instead), after taking every object written before it out of L1."""
         if self._nvme is None:
             return
-        errors = self._nvme.writeback_errors()
+        try:
+            errors = self._nvme.writeback_errors()
+        except RuntimeError:
+            # The file closed after the copy (the question is a transfer of its own).
+            self._miss_if_closed(obj)
+            raise
         if obj.written_in == errors:
             return
         with self._lock:
