@@ -611,13 +611,18 @@ class Handlers:
                 self._note_writer(session, identity)
                 session.writer_connection = connection
             session.add_writes(reserved, self.sessions.write_deadline(now))
-            if not reserved:
-                return self._reserve_reply(req, reserved), ()
-            undelivered = functools.partial(self._reservations_undelivered, session, reserved)
-            return Handed(self._reserve_reply(req, reserved), (), undelivered)
+            reply, skips = self._reserve_reply(req, reserved)
+            answer: Response = (reply, ())
+            if reserved:
+                undelivered = functools.partial(self._reservations_undelivered, session, reserved)
+                answer = Handed(reply, (), undelivered)
         except BaseException:
             self._reservations_not_handed(session, reserved)
             raise
+        # Counted once nothing more can raise: a STORE_RESERVE refused is counted with
+        # every key it named among the refused ones, those L1 skipped too.
+        self._count_skips(skips)
+        return answer
 
     def _reservations_not_handed(self, session: Session, reserved: Mapping[ObjectKey, Any]) -> None:
         """A STORE_RESERVE raised after L1 reserved and fenced ``reserved``: its client is
@@ -637,14 +642,18 @@ class Handlers:
             len(reserved),
         )
 
-    def _reserve_reply(self, req: p.StoreReserve, reserved: dict[ObjectKey, Any]) -> p.StoreReserveReply:
-        """The slots of ``reserved``, one per key ``req`` names (NO_SLOT where none)."""
+    def _reserve_reply(
+        self, req: p.StoreReserve, reserved: dict[ObjectKey, Any]
+    ) -> tuple[p.StoreReserveReply, Counter[str]]:
+        """The slots of ``reserved``, one per key ``req`` names (NO_SLOT where none), and
+        why the others were skipped (counted by the caller once the reply is built)."""
         keys, sizes = req.keys, req.sizes
         if len(reserved) == len(keys):
             # Every key reserved, so none named twice: one slot per key in order, without
             # the per-key bookkeeping below (a store of many small chunks pays it per key).
-            return p.StoreReserveReply(req.req_id, slots=self._slots_of([reserved[key] for key in keys]))
-        self._count_skips(self._skips(keys, reserved))
+            every_slot = self._slots_of([reserved[key] for key in keys])
+            return p.StoreReserveReply(req.req_id, slots=every_slot), Counter()
+        skips = self._skips(keys, reserved)
         generations = dict(zip(reserved, self.storage.l1.generations(list(reserved.values())), strict=True))
         slots: list[p.Slot] = []
         handed_out: set[ObjectKey] = set()
@@ -655,7 +664,7 @@ class Handlers:
             else:
                 handed_out.add(key)
                 slots.append(p.Slot(obj.offset, obj.size, generations[key]))
-        return p.StoreReserveReply(req.req_id, slots=slots)
+        return p.StoreReserveReply(req.req_id, slots=slots), skips
 
     def _refuse_while_fenced(self, session: Session, keys: Sequence[ObjectKey], now: float) -> None:
         """Fail closed rather than let a client that may still be copying into expired
