@@ -347,8 +347,11 @@ class PrefetchController(ControllerThread):
 
     def discard(self, handle: int) -> None:
         """The owner will never claim ``handle``: its read locks are released now, or when
-        the prefetch finishes.  Counting why is the owner's business."""
-        self._handles.discard(handle)
+        the prefetch finishes (one still queued leaves the queue now, its pins given
+        back too).  Counting why is the owner's business."""
+        request = self._handles.discard(handle)
+        if request is not None:
+            self._drop_queued(request, publish=False)
 
     def queued(self) -> int:
         return self._handles.queued()

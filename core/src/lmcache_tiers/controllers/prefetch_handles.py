@@ -70,9 +70,20 @@ class PrefetchHandles:
             self._done.wait_for(lambda: self._claim_ready(handle), timeout)
             return self._claim(handle)
 
-    def discard(self, handle: int) -> None:
+    def discard(self, handle: int) -> PrefetchRequest | None:
+        """The owner will never claim ``handle``.  A request still queued leaves the queue
+        and is returned: what it holds (its L1 prefix's read locks, its adapters' pins) is
+        the caller's to give back now -- waiting for a slot, it would hold them for nobody
+        up to its result deadline, then load its keys for nobody.  A running one gives its
+        result back once it finishes."""
         with self._lock:
-            self._results.discard(handle, running=handle in self._queued or handle in self._active)
+            if handle in self._queued:
+                request = next(queued for queued in self._queue if queued.handle == handle)
+                self._queue.remove(request)
+                self._queued.discard(handle)
+                return request
+            self._results.discard(handle, running=handle in self._active)
+            return None
 
     def queued(self) -> int:
         with self._lock:
