@@ -12,31 +12,60 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import pytest
 
 from lmcache_tiers.errors import L1OutOfMemoryError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Manager, L1Object, ObjectState
+from lmcache_tiers.l1 import manager as manager_module
 
 ALIGN = 4096
 UNITS = 48
 KEYS = [ObjectKey("model", 0, index.to_bytes(2, "big")) for index in range(24)]
 
 
-def walked_unevictable_bytes(l1: L1Manager) -> int:
-    """What no eviction frees, walked extent by extent: locked objects, extents held for
-    loads, quarantined extents (each at the allocator's length for it)."""
+def in_grace_period(l1: L1Manager, now: float) -> list[L1Object]:
+    """Unlocked READY objects whose expired locks' grace period has not ended at ``now``:
+    evicting one holds its extent back, so no eviction frees it now."""
+    lapsed = l1._leases._lapsed
+    return [
+        obj
+        for obj in l1._table.objects.values()
+        if obj.state is ObjectState.READY and not obj.read_locks and lapsed.get(obj.offset, 0.0) > now
+    ]
+
+
+def walked_unevictable_bytes(l1: L1Manager, now: float) -> int:
+    """What no eviction frees at ``now``, walked extent by extent: locked objects, extents
+    held for loads, quarantined extents, objects in their grace period (each at the
+    allocator's length for it)."""
     size_at = l1._allocator.size_at
-    objects = sum(size_at(obj.offset) for obj in l1._table.unevictable())
+    objects = sum(size_at(obj.offset) for obj in [*l1._table.unevictable(), *in_grace_period(l1, now)])
     return objects + sum(length for _offset, length in l1._leases.held_extents())
 
 
+class FrozenClock:
+    """The ``time`` module of the L1 manager, stopped at one instant: a grace period
+    ending between the manager's reading and the walk's would tell them apart."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def monotonic(self) -> float:
+        return self.now
+
+
 def check_books(l1: L1Manager, step: str) -> None:
-    assert l1.reclaimable_bytes() == l1.capacity_bytes - walked_unevictable_bytes(l1), step
-    table = l1._table
-    assert table.locked_extent_bytes == sum(obj.extent_bytes for obj in table.locked.values()), step
-    assert l1.unevictable_extents() == len(table.unevictable()) + len(l1._leases.held_extents()), step
+    now = time.monotonic()
+    with mock.patch.object(manager_module, "time", FrozenClock(now)):
+        assert l1.reclaimable_bytes() == l1.capacity_bytes - walked_unevictable_bytes(l1, now), step
+        table = l1._table
+        assert table.locked_extent_bytes == sum(obj.extent_bytes for obj in table.locked.values()), step
+        assert l1.unevictable_extents() == len(table.unevictable()) + len(l1._leases.held_extents()) + len(
+            in_grace_period(l1, now)
+        ), step
     if not table.closed:
         for obj in table.objects.values():
             assert obj.extent_bytes == l1._allocator.size_at(obj.offset), step
@@ -231,7 +260,9 @@ def locked_l1(locked: int) -> L1Manager:
 def test_reclaimable_bytes_costs_the_same_however_many_objects_are_locked() -> None:
     few, many = locked_l1(10), locked_l1(2000)
     try:
-        assert many.reclaimable_bytes() == many.capacity_bytes - walked_unevictable_bytes(many)
+        assert many.reclaimable_bytes() == many.capacity_bytes - walked_unevictable_bytes(
+            many, time.monotonic()
+        )
         assert python_calls_during(many.reclaimable_bytes) == python_calls_during(few.reclaimable_bytes)
     finally:
         few.close()

@@ -111,6 +111,9 @@ class ExtentLeases:
         # front: after a crashed client's 100k locks expired, rebuilding it on every reap
         # held the L1 lock ~18 ms per pass for the whole grace period
         self._lapsed: dict[int, float] = {}
+        # the object of each extent in ``_lapsed``: one still in L1 and unlocked frees
+        # nothing if evicted before its grace period ends (``lapsed_unlocked``)
+        self._lapsed_objects: dict[int, L1Object] = {}
         # (until, offset) of every quarantined extent but the fenced, the earliest first, so
         # that ``reclaim`` looks at those due, not at every quarantined extent (1.2 ms with
         # 100k after a forced clear, on every reap pass).  An extent given back since, or
@@ -145,6 +148,7 @@ class ExtentLeases:
         lapsed = self._lapsed
         lapsed.pop(obj.offset, None)
         lapsed[obj.offset] = now + self.grace_s
+        self._lapsed_objects[obj.offset] = obj
 
     def release_extents(self, objs: Sequence[L1Object], now: float, taken_by: TakenBy = "forced") -> None:
         """Objects that left L1: free their extents, or quarantine those someone may still
@@ -152,7 +156,10 @@ class ExtentLeases:
         free: list[int] = []
         taken = pinned = fenced = 0
         for obj in objs:
-            lapsed_until = self._lapsed.pop(obj.offset, 0.0) if self._lapsed else 0.0
+            lapsed_until = 0.0
+            if self._lapsed:
+                lapsed_until = self._lapsed.pop(obj.offset, 0.0)
+                self._lapsed_objects.pop(obj.offset, None)
             if obj.fenced and obj.state is ObjectState.WRITING:
                 # Left uncommitted (reaped at the write TTL) by a writer that copies into
                 # the arena itself and has not said it stopped: it may still be copying.
@@ -266,6 +273,20 @@ class ExtentLeases:
         """Whether the extent of the unlocked ``obj`` would be quarantined rather than go
         back if it left L1 now (an expired lock's grace period, an L2 store reading it)."""
         return obj.storing > 0 or self._lapsed.get(obj.offset, 0.0) > now
+
+    def lapsed_unlocked(self, now: float) -> list[L1Object]:
+        """The unlocked READY objects whose expired locks' grace period has not ended at
+        ``now``: evicting one quarantines its extent (``held_back``), which frees nothing
+        until then.  Walks the objects whose locks expired within the grace period: none
+        unless a holder let its locks lapse (a crashed client)."""
+        if not self._lapsed:
+            return []
+        objects = self._lapsed_objects
+        return [
+            obj
+            for offset, until in self._lapsed.items()
+            if until > now and not (obj := objects[offset]).read_locks and obj.state is ObjectState.READY
+        ]
 
     def holds(self, obj: L1Object) -> bool:
         entry = self._by_offset.get(obj.offset)
@@ -406,9 +427,12 @@ class ExtentLeases:
             # A fresh dict: one emptied from the front keeps walking past the slots of
             # the entries taken out, until it grows again.
             self._lapsed = {}
+            self._lapsed_objects = {}
             return
+        objects = self._lapsed_objects
         for offset in over:
             del lapsed[offset]
+            del objects[offset]
 
     def _forget(self, entry: _Held, how: str) -> None:
         del self._by_offset[entry.obj.offset]
@@ -469,6 +493,7 @@ class ExtentLeases:
         self._by_offset.clear()
         self._held.clear()
         self._lapsed.clear()
+        self._lapsed_objects.clear()
         self._ends.clear()
         self._bare.clear()
         self.quarantined_bytes = 0

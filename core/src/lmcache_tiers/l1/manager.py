@@ -597,24 +597,30 @@ class L1Manager:
             return self._leases.stats()
 
     def reclaimable_bytes(self) -> int:
-        """Free bytes plus what evicting every unlocked object would free: the most any
-        reservation can get, whatever the eviction policy picks."""
+        """Free bytes plus what evicting every unlocked object would free now: the most any
+        reservation can get, whatever the eviction policy picks.  An unlocked object whose
+        locks expired within the grace period counts as unevictable: evicting it holds its
+        extent back until the period ends."""
         with self.lock:
             # Running totals (``l1/table.py``): every write that finds L1 full asks this.
             unevictable = self._table.unevictable_bytes + self._leases.quarantined_bytes
-            return self._allocator.capacity - unevictable
+            lapsed = self._leases.lapsed_unlocked(time.monotonic())
+            return self._allocator.capacity - unevictable - sum(obj.extent_bytes for obj in lapsed)
 
     def unevictable_extents(self) -> int:
-        """How many extents no eviction frees (locked objects', those held for loads,
-        quarantined ones): :meth:`reclaimable_bytes` lies in at most one span more."""
+        """How many extents no eviction frees now (locked objects', those held for loads,
+        quarantined ones, unlocked ones in their expired locks' grace period):
+        :meth:`reclaimable_bytes` lies in at most one span more."""
         with self.lock:
-            return self._table.unevictable_count() + self._leases.quarantined_extents
+            lapsed = self._leases.lapsed_unlocked(time.monotonic())
+            return self._table.unevictable_count() + self._leases.quarantined_extents + len(lapsed)
 
     def reclaimable_spans(self) -> list[int]:
         """The lengths of the free extents that evicting every unlocked object would leave:
-        the gaps between the extents no eviction frees (locked objects', those held for
-        loads, quarantined ones).  It sorts those extents: asked only when a write found
-        no room and :meth:`unevictable_extents` does not tell that it fits.
+        the gaps between the extents no eviction frees now (locked objects', those held for
+        loads, quarantined ones, unlocked ones in their expired locks' grace period).  It
+        sorts those extents: asked only when a write found no room and
+        :meth:`unevictable_extents` does not tell that it fits.
 
         On a full L1 much of which is locked, every write that finds no room asks it, so
         only the lists of those extents' records are copied under the lock (in C, a
@@ -625,6 +631,7 @@ class L1Manager:
         with self.lock:
             objs = self._table.unevictable()
             objs += self._leases.held_objects()
+            objs += self._leases.lapsed_unlocked(time.monotonic())
             held = self._leases.held_entries()
             capacity = self._allocator.capacity
         count = len(objs) + len(held)
