@@ -41,8 +41,10 @@ if the loop thread ran it.  :class:`ConnectionPeers` is what both front ends use
   the relay's exit lifts no fence;
 * where the scan names no writer and the front end's ``stand_in`` says the pinned process
   may be the client's (the native front end: it maps the arena), the pin is kept as
-  :attr:`PeerWatch.stand_in`, asked on the worker right after the scan, while that process
-  lives: a writer behind a relay that exits before anything needed its fences lifted is
+  :attr:`PeerWatch.stand_in`, asked on the worker as soon as it takes the connection
+  (before the scan's delay and the scan), while that process most likely lives: a writer
+  behind a relay that exits before anything needed its fences lifted, even before its
+  connection's scan ran, is
   still known by the pidfd opened while it lived, not by its pid, which may name another
   process by then.
 
@@ -111,6 +113,9 @@ class PeerWatch:
         #: ``stand_in`` took it for the client's (set before the watch is armed); shared
         #: with the other connections of that process while it lives
         self.stand_in: PeerProcess | None = None
+        #: ``stand_in`` took the pin for the client's while it lived, asked by the worker as
+        #: soon as it took the connection (:meth:`ConnectionPeers._ask_pin`)
+        self.pin_stands_in = False
         self.armed = threading.Event()
         #: when the loop thread first saw the connection (``time.monotonic()``)
         self.seen_at = time.monotonic()
@@ -247,6 +252,7 @@ class ConnectionPeers:
 
     def _run(self) -> None:
         while (watch := self._queue.get()) is not None:
+            self._ask_pin(watch)
             wait = watch.seen_at + SCAN_DELAY_S - time.monotonic()
             if wait > 0:
                 time.sleep(wait)  # see SCAN_DELAY_S; a connection queued longer waits no more
@@ -290,8 +296,11 @@ class ConnectionPeers:
                 )
                 watch.arm(pinned, not_writer=not_writer)
                 return
-            if stands_in:
-                watch.stand_in, watch.pin = self._shared(watch.pin), None
+            if stands_in and watch.pin is not None:
+                pin, watch.pin = watch.pin, None
+                # One gone since it was asked is not shared by pid: its pid may name
+                # another process now.  Its pidfd still says it exited.
+                watch.stand_in = self._shared(pin) if pin.all_alive() else pin
             _unpin(watch)
             watch.arm(self._shared(found), not_writer=not_writer)
 
@@ -311,10 +320,25 @@ class ConnectionPeers:
         self._by_pids[process.pids] = process
         return process
 
+    def _ask_pin(self, watch: PeerWatch) -> None:
+        """Ask ``stand_in`` of a connection's pin as soon as the worker takes it, before
+        :data:`SCAN_DELAY_S` and the scan (tens of milliseconds with many processes): a
+        writer behind a relay that exits meanwhile leaves no maps to read, so asked only
+        after the scan it could not stand in, and its fences -- the relay holding the
+        connection on -- stayed until the server stopped.  Not asked where the kernel
+        names the hinted process itself (``SO_PEERCRED``): the scan finds it there."""
+        pin, peer = watch.pin, watch.peer  # one read of the pin: scan_now may unpin it
+        if pin is None or watch.armed.is_set() or pin.pids == (peer.pid,):
+            return
+        if self._pinned_stands_in(watch):
+            watch.pin_stands_in = True
+
     def _pinned_stands_in(self, watch: PeerWatch) -> bool:
         """Whether ``watch``'s pin may stand in for its writer (``stand_in``), asked while
         the pinned process lives: one alive once asked was the one asked of (its pid had
         not gone to another process), and one gone before leaves nothing to ask."""
+        if watch.pin_stands_in:
+            return True  # asked when the worker took the connection (``_ask_pin``)
         pin = watch.pin  # one read: the other thread settling it may unpin it meanwhile
         stand_in = self._stand_in
         if pin is None or stand_in is None or watch.peer.remote:

@@ -30,11 +30,12 @@ read, which a later reuse of the pid cannot fool: a relay's process, which copie
 nothing, is never taken for the writer (``peer_not_writer`` counts those connections).
 
 The HELLO pid's process is pinned by a pidfd when the connection's first request comes
-in, and where the kernel names no writer the scan worker reads its maps right after the
-lookup, while it lives (core's ``PeerWatch.stand_in``): a writer behind a relay that dies
-holding its reservation, before any sweep needed its fences, is seen to exit through that
-pidfd (its pid, asked at the sweep, named nothing any more, and the fence stayed until
-the server stopped).  Where that pin is not the one pid the reservations were made under
+in, and the scan worker reads its maps as soon as it takes the connection, before the
+lookup, kept where the kernel names no writer (core's ``PeerWatch.stand_in``): a writer
+behind a relay that dies holding its reservation, before any sweep needed its fences --
+even before its connection's lookup ran --, is seen to exit through that pidfd (its pid,
+asked at the sweep, named nothing any more, and the fence stayed until the server
+stopped).  Where that pin is not the one pid the reservations were made under
 (a HELLO pid changed between them, a connection the kernel names nothing of, a process
 gone before its maps were read), the HELLO pids are watched when first asked: one gone by
 then proves nothing, and its fences wait for the client's commit or abort.
