@@ -6,6 +6,12 @@ buffer is aligned (L1 extents are) is moved in place and only its last partial b
 goes through a staging block; a payload in an unaligned buffer is staged whole.  The
 header block and the tail are per-thread staging blocks reused for every slot.  Without
 ``O_DIRECT`` the payload is always moved in place.
+
+Each call counts as in flight on the device (``InFlight``) from its first touch of a
+staging block to its last, not only for its system call: close releases the staging
+blocks only once no call is in flight, so a call that started before the close (a load
+core gave up on at its timeout) finishes with them intact, and one that starts after
+finds the device closed (OSError) before it touches them.
 """
 
 from __future__ import annotations
@@ -40,6 +46,12 @@ class SlotIO:
 
     def write(self, slot: int, header: bytes, payload: memoryview) -> None:
         """Write ``header`` (at most ``header_bytes``) and ``payload`` into ``slot``."""
+        with self.device.in_flight.use() as usable:
+            if not usable:
+                raise OSError(errno.EBADF, "the device is closed")
+            self._write(slot, header, payload)
+
+    def _write(self, slot: int, header: bytes, payload: memoryview) -> None:
         header_block = self._staging.header()
         header_block[: len(header)] = header
         header_block[len(header) :] = bytes(self.geometry.header_bytes - len(header))
@@ -63,15 +75,18 @@ class SlotIO:
             staged[size:] = bytes(padded - size)
             vector.append(staged)
         expected = sum(part.nbytes for part in vector)
-        with self.device.in_flight.use() as usable:
-            if not usable:
-                raise OSError(errno.EBADF, "the device is closed")
-            done = os.pwritev(self.device.fd, vector, self.geometry.slot_offset(slot))
+        done = os.pwritev(self.device.fd, vector, self.geometry.slot_offset(slot))
         self._check(done, expected, "write", slot)
 
     def read(self, slot: int, buffer: memoryview) -> bytes:
         """Fill ``buffer`` with the first ``buffer.nbytes`` payload bytes of ``slot``;
         returns the slot's header block (verified by the caller)."""
+        with self.device.in_flight.use() as usable:
+            if not usable:
+                raise OSError(errno.EBADF, "the device is closed")
+            return self._read(slot, buffer)
+
+    def _read(self, slot: int, buffer: memoryview) -> bytes:
         header_block = self._staging.header()
         size = buffer.nbytes
         vector: list[memoryview] = [header_block]
@@ -91,10 +106,7 @@ class SlotIO:
             staged = self._staging.payload()[: round_up(size, self._align)]
             vector.append(staged)
         expected = sum(part.nbytes for part in vector)
-        with self.device.in_flight.use() as usable:
-            if not usable:
-                raise OSError(errno.EBADF, "the device is closed")
-            done = os.preadv(self.device.fd, vector, self.geometry.slot_offset(slot))
+        done = os.preadv(self.device.fd, vector, self.geometry.slot_offset(slot))
         self._check(done, expected, "read", slot)
         if staged is not None:
             copy_into(buffer, staged[:size])
@@ -104,10 +116,10 @@ class SlotIO:
 
     def read_header(self, slot: int) -> bytes:
         """The header block of ``slot`` alone (recovery)."""
-        header_block = self._staging.header()
         with self.device.in_flight.use() as usable:
             if not usable:
                 raise OSError(errno.EBADF, "the device is closed")
+            header_block = self._staging.header()
             done = os.preadv(self.device.fd, [header_block], self.geometry.slot_offset(slot))
-        self._check(done, header_block.nbytes, "header read", slot)
-        return bytes(header_block)
+            self._check(done, header_block.nbytes, "header read", slot)
+            return bytes(header_block)
