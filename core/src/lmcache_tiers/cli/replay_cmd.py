@@ -723,6 +723,8 @@ def _server(
         return
     except ClientError as exc:
         fail(f"replay through {url} failed: {exc}", 1)
+    except ConfigError as exc:
+        fail(str(exc))  # refused before any request, as in-process: a block that does not fit in memory
     _show(step, report.to_dict(), as_json)
 
 

@@ -16,10 +16,8 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-import numpy as np
-
 from lmcache_tiers.config import ServerConfig
-from lmcache_tiers.errors import ConfigError, L1OutOfMemoryError, TiersError
+from lmcache_tiers.errors import L1OutOfMemoryError, TiersError
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.l1 import L1Object
 from lmcache_tiers.registry import ComponentRegistry
@@ -29,6 +27,7 @@ from lmcache_tiers.replay.run import (
     ReplayOptions,
     ReplayReport,
     ReplayStopped,
+    block_buffer,
     check_pacing,
     paced,
     signal_of,
@@ -174,15 +173,7 @@ def replay_in_process(
     or at once when a second one comes."""
     check_pacing(trace, options.time_scale)
     state = ClientState.for_options(options)
-    try:
-        scratch = np.zeros(options.block_bytes, dtype=np.uint8).data
-    except MemoryError:
-        # An L1 of a few such blocks passes the size checks, yet one block may not fit in
-        # this machine's memory: one clear error, not a numpy traceback.
-        raise ConfigError(
-            f"--block-bytes {options.block_bytes}: a buffer of one block does not fit in memory; "
-            "give smaller blocks"
-        ) from None
+    scratch = block_buffer(options.block_bytes)
     finished = False
     interrupted: KeyboardInterrupt | SystemExit | None = None
     signals = _SignalsAfterClose()

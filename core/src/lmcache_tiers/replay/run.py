@@ -121,6 +121,22 @@ class ClientState:
         return cls(ReplayTotals(), keyspace, Payloads(options.block_bytes))
 
 
+def block_buffer(block_bytes: int) -> memoryview:
+    """A zeroed buffer of one block; ConfigError when even that does not fit in this
+    machine's memory.
+
+    Called before a replay starts: an L1 of a few such blocks passes the size checks, yet
+    the replay's first store would end in a MemoryError traceback (it allocates several
+    blocks at once).
+    """
+    try:
+        return np.zeros(block_bytes, dtype=np.uint8).data
+    except MemoryError:
+        raise ConfigError(
+            f"--block-bytes {block_bytes}: a buffer of one block does not fit in memory; give smaller blocks"
+        ) from None
+
+
 def check_pacing(trace: Trace, time_scale: float) -> None:
     """ConfigError when pacing ``trace`` at ``time_scale`` would last longer than MAX_PACED_S.
 

@@ -32,6 +32,7 @@ from lmcache_tiers.replay.run import (
     ReplayReport,
     ReplayStopped,
     ReplayTotals,
+    block_buffer,
     check_pacing,
     paced,
     signal_of,
@@ -372,7 +373,8 @@ def replay_server(
     auth_token: str | None = None,
     progress: ProgressHook | None = None,
 ) -> ReplayReport:
-    """Replay ``trace`` against the server at ``url``; ClientError if it cannot be reached.
+    """Replay ``trace`` against the server at ``url``; ClientError if it cannot be reached,
+    ConfigError before any request for a schedule or a block size it cannot replay.
 
     A replay that starts and then ends early -- the server stops answering, Ctrl-C,
     SIGTERM -- or whose server does not give its counters after the last request raises
@@ -380,6 +382,7 @@ def replay_server(
     if clients < 1:
         raise ValueError("clients must be at least 1")
     check_pacing(trace, options.time_scale)
+    block_buffer(options.block_bytes)  # before any client: its first store allocates several
     _cut_short.armed, _cut_short.asked = True, False
     try:
         with signals_unwind():
