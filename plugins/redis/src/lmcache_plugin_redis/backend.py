@@ -1584,25 +1584,33 @@ class RedisBackend:
         self, batch: list[tuple[ObjectKey, bytes]], unsized: list[ObjectKey]
     ) -> Iterator[tuple[ObjectKey, ObjectSize | int]]:
         """Each listed record's sizes: its header's, checked against its value's length
-        (``_payload_agrees``), or -- a record of another serde chain -- that length alone."""
-        pipe = self._pipeline()
-        for _, raw in batch:
-            self._queue_lookup(pipe, raw)
-        replies = self._execute(pipe)
-        for position, (key, raw) in enumerate(batch):
-            head_reply, length_reply = replies[2 * position], replies[2 * position + 1]
-            header_bytes = self._header_bytes(key, raw, head_reply, length_reply, "listing")
-            if header_bytes is None:
-                continue
-            header = self._judged_header(key, header_bytes, "listing")
-            if header == OTHER_CHAIN:
-                length = self._other_chain_size(key, header_bytes, length_reply, unsized)
-                if length:
-                    yield key, length
-            elif isinstance(header, RecordHeader) and self._payload_agrees(
-                key, header, header_bytes, length_reply, "listing"
-            ):
-                yield key, ObjectSize(header.payload_len, header.l1_size)
+        (``_payload_agrees``), or -- a record of another serde chain -- that length alone.
+
+        The keys' records are noted as being read (``reading_records``) from before their
+        heads are read until every one is judged: a store of a key landing in between
+        replaced the record read, and an old one of another serde chain must not mark the
+        key a miss over the store's (nor a newer format's release the store's entry)."""
+        sized: list[tuple[ObjectKey, ObjectSize | int]] = []
+        with self.context.reading_records([key for key, _ in batch]):
+            pipe = self._pipeline()
+            for _, raw in batch:
+                self._queue_lookup(pipe, raw)
+            replies = self._execute(pipe)
+            for position, (key, raw) in enumerate(batch):
+                head_reply, length_reply = replies[2 * position], replies[2 * position + 1]
+                header_bytes = self._header_bytes(key, raw, head_reply, length_reply, "listing")
+                if header_bytes is None:
+                    continue
+                header = self._judged_header(key, header_bytes, "listing")
+                if header == OTHER_CHAIN:
+                    length = self._other_chain_size(key, header_bytes, length_reply, unsized)
+                    if length:
+                        sized.append((key, length))
+                elif isinstance(header, RecordHeader) and self._payload_agrees(
+                    key, header, header_bytes, length_reply, "listing"
+                ):
+                    sized.append((key, ObjectSize(header.payload_len, header.l1_size)))
+        yield from sized
 
     def _other_chain_size(
         self, key: ObjectKey, header_bytes: bytes, reply: Any, unsized: list[ObjectKey]
