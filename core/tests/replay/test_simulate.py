@@ -45,10 +45,14 @@ def test_a_large_l2_behind_l1_holds_everything_seen(synthetic_trace: Trace) -> N
 
 def test_a_curve_has_every_policy_and_both_bounds(synthetic_trace: Trace) -> None:
     factories = policy_factories(load_registry(), ["LRU", "PREFIX_LFU"])
-    steps: list[str] = []
-    points = simulate_curve(synthetic_trace, factories, [8, 64], progress=steps.append)
+    steps: list[tuple[str, int]] = []
+    points = simulate_curve(
+        synthetic_trace, factories, [8, 64], progress=lambda label, finished: steps.append((label, finished))
+    )
     assert [point.capacity_blocks for point in points] == [8, 64]
-    assert len(steps) == 2 * (len(factories) + 1)
+    runs = 2 * (len(factories) + 1)
+    assert [finished for _, finished in steps] == [*range(runs), runs]  # as each starts, then the end
+    assert steps[0] == (f"{EXACT_LRU} @ 8", 0) and steps[-2] == (f"{BELADY} @ 64", runs - 1)
     for point in points:
         assert [run.policy for run in point.runs] == [EXACT_LRU, "LRU", "PREFIX_LFU", BELADY, INFINITE]
         optimal = point.run(BELADY).hit_blocks

@@ -562,8 +562,8 @@ def _simulate(
     with progress:
         task = progress.add_task("simulating", total=len(capacities) * (len(factories) + 1))
 
-        def advance(label: str) -> None:
-            progress.update(task, advance=1, description=label)
+        def advance(label: str, finished: int) -> None:
+            progress.update(task, completed=finished, description=label)
 
         points = simulate_curve(
             trace,

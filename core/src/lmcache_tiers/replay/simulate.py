@@ -277,7 +277,9 @@ class CapacityPoint:
         raise KeyError(policy)
 
 
-ProgressCallback = Callable[[str], None]
+#: ``progress(what runs next, runs finished)`` as each run starts, and once more when the
+#: last one has ended: a bar that counted the calls was full while the last run still ran
+ProgressCallback = Callable[[str, int], None]
 
 
 def simulate_curve(
@@ -296,11 +298,12 @@ def simulate_curve(
     unbounded = infinite_run(trace)
     points: list[CapacityPoint] = []
     l2_list = list(l2_capacities) if l2_capacities is not None else [None] * len(capacities)
+    finished = 0  # runs ended, for ``progress``
     for capacity, l2_capacity in zip(capacities, l2_list, strict=True):
         runs: list[PolicyRun] = []
         for name, factory in factories.items():
             if progress is not None:
-                progress(f"{name} @ {capacity}")
+                progress(f"{name} @ {capacity}", finished)
             runs.append(
                 simulate_policy(
                     trace,
@@ -313,11 +316,15 @@ def simulate_curve(
                     request_keys=keys,
                 )
             )
+            finished += 1
         if progress is not None:
-            progress(f"{BELADY} @ {capacity}")
+            progress(f"{BELADY} @ {capacity}", finished)
         runs.append(belady_run(trace, capacity, l2_capacity))
+        finished += 1
         runs.append(unbounded)
         points.append(CapacityPoint(capacity, l2_capacity, runs))
+    if progress is not None:
+        progress("simulated", finished)
     return points
 
 
