@@ -27,6 +27,7 @@ from lmcache_tiers.client.errors import (
     ServerError,
     StaleReadError,
 )
+from lmcache_tiers.client.lock_epochs import LockEpochs
 from lmcache_tiers.client.spin import REPLY_SPIN_S
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.layout import check_layout, layout_of, reader_layout_of
@@ -77,6 +78,15 @@ class _ServerChanged(ClientError):
             f"the connection to {url} dropped while the request was answered (a server restart?), "
             "twice in a row; nothing was kept from it: call again"
         )
+
+
+class _ReleaseProgress:
+    """How far a ``release`` got: the keys whose requests were answered, and how many of
+    them the server released."""
+
+    def __init__(self) -> None:
+        self.keys_done = 0
+        self.released = 0
 
 
 class _StoreProgress:
@@ -170,6 +180,8 @@ class Client(Connection):
         # locks over (the drops seen before, see _leased): the last block out releases over
         # that one, which may be newer than its own (see _stop_reading)
         self._newest_lease: dict[ObjectKey, int] = {}
+        # over which connection the newest read lock on each key was taken (see release)
+        self._lock_epochs = LockEpochs()
         self._shm = shm
         # the HELLO whose segment is mapped (a server that restarted offers another one)
         self._mapped_from: p.HelloReply | None = None
@@ -255,14 +267,17 @@ class Client(Connection):
         if self._dropped or not self._events_read_lately():
             self._follow_server(timeout)
 
-    def _refused_for_old_limits(self, failure: ServerError, greeted: p.HelloReply) -> bool:
+    def _refused_for_old_limits(
+        self, failure: ServerError, greeted: p.HelloReply, timeout: float | None = None
+    ) -> bool:
         """Whether ``failure``, the refusal of a call cut by the limits of ``greeted``, came
         from a server restarted at the address since, with a lower key limit (the restart
-        came after the call's look at the connection): that server is greeted now, and the
-        call is worth making once more, by its limits."""
+        came after the call's look at the connection): that server is greeted now (within
+        ``timeout``, the rest of the call's time; None: the client's), and the call is
+        worth making once more, by its limits."""
         if failure.code is not p.ErrorCode.TOO_LARGE:
             return False
-        self._follow_server()
+        self._follow_server(None if timeout is None else max(0.0, timeout))
         return self.server is not greeted
 
     def _greeted_again(self, timeout: float | None = None) -> None:
@@ -637,7 +652,11 @@ class Client(Connection):
             reply = self._call(p.Lookup(0, "", keys), p.LookupReply, timeout=remaining)
         hits = reply.hits
         if hits is not None:
-            return hits if 0 <= hits <= len(keys) else self._checked_hits(hits, keys)
+            if not 0 <= hits <= len(keys):
+                return self._checked_hits(hits, keys)
+            if hits:
+                self._note_locked(keys[:hits] if hits < len(keys) else keys)
+            return hits
         self._running_prefetch(reply.handle, keys)
         hits = self.wait_prefetch(reply.handle, max(0.0, deadline - time.monotonic()))
         if hits is None:
@@ -697,7 +716,10 @@ class Client(Connection):
                             self._running_prefetch(reply.handle, request.keys)
                             waiting.append((position, reply.handle))
                         else:
-                            results[position] = self._checked_hits(reply.hits, request.keys)
+                            found = self._checked_hits(reply.hits, request.keys)
+                            if found:
+                                self._note_locked(request.keys[:found])
+                            results[position] = found
                 except BaseException:
                     # Lookups still in flight lock keys for us: release them when they land.
                     for request in requests:
@@ -737,7 +759,10 @@ class Client(Connection):
         if reply.hits is None:
             self._running_prefetch(reply.handle, request.keys)
             return reply.handle, None
-        return reply.handle, self._checked_hits(reply.hits, request.keys)
+        hits = self._checked_hits(reply.hits, request.keys)
+        if hits:
+            self._note_locked(request.keys[:hits])
+        return reply.handle, hits
 
     def query_prefetch(self, handle: int) -> int | None:
         """Non-blocking: the hit count of a started lookup, or None while it runs."""
@@ -763,7 +788,10 @@ class Client(Connection):
         if hits is None:
             return None
         self._prefetch_settled(handle)
-        return self._checked_hits(hits, keys)
+        hits = self._checked_hits(hits, keys)
+        if hits and keys:
+            self._note_locked(keys[:hits])
+        return hits
 
     def _checked_hits(self, hits: int, keys: list[ObjectKey] | None) -> int:
         """``hits``, a LOOKUP's answer for ``keys`` (or its prefetch's; None: keys not
@@ -853,6 +881,9 @@ class Client(Connection):
         slots: list[p.Slot] = []
         with self._lock:
             self._reading.update(keys)
+            # Noted before the RETRIEVEs, by the connection ``_leased`` goes by: one that
+            # fails after it took its locks gives them back over it (see ``release``).
+            self._lock_epochs.note(keys, taken_over, self._drops)
         try:
             for part in self._batches(len(keys)):
                 batch = keys[part]
@@ -974,11 +1005,35 @@ class Client(Connection):
         if lost:
             self._locks_left_to_ttl(len(keys))
             return
+        keys = self._locked_over_this_connection(keys)
+        if not keys:
+            return
         if isinstance(failure, RequestTimeoutError):
             self._release_without_waiting(keys, list(self._batches(len(keys))))
             return
         with contextlib.suppress(ClientError):
             self.release(keys, timeout=self._cleanup_seconds())
+
+    def _note_locked(self, keys: Sequence[ObjectKey]) -> None:
+        """The request whose reply this thread took last read-locked ``keys``."""
+        with self._lock:
+            self._lock_epochs.note(keys, self._answered_over(), self._drops)
+
+    def _locked_over_this_connection(self, keys: list[ObjectKey]) -> list[ObjectKey]:
+        """``keys`` less those whose newest lock this client took over a connection that
+        has dropped since (see ``lock_epochs``): a release over this one cannot reach those
+        locks, which expire with the server's lock TTL (logged)."""
+        with self._lock:
+            if not self._lock_epochs:
+                return keys
+            if not (self._closed or self._inherited or self._events_read_lately()):
+                # (Read less than half a reconnect interval ago, the events left no other
+                # connection to have come up since.)
+                self._read_link_events()
+            kept, left_out = self._lock_epochs.release(keys, self._drops)
+        if left_out:
+            self._locks_left_to_ttl(left_out)
+        return kept
 
     def _locks_left_to_ttl(self, count: int) -> None:
         """After a lost connection: the locks this client took over it live in that
@@ -1135,19 +1190,44 @@ class Client(Connection):
         RequestTimeoutError is raised, naming how many of the keys (the last ones) may
         keep their locks until the server reads those releases, or its lock TTL.  When the
         connection is lost instead, nothing more is sent: the locks taken over it cannot be
-        released over another (see ``_locks_left_to_ttl``) and expire with the lock TTL."""
-        released = 0
+        released over another (see ``_locks_left_to_ttl``) and expire with the lock TTL.
+        For the same reason, keys whose newest lock this client took over a connection
+        that has dropped since (the server restarted, say) are not sent at all."""
         keys = checked_keys(keys)
         deadline = time.monotonic() + self._call_seconds(timeout)
+        keys = self._locked_over_this_connection(keys)
+        if not keys:
+            return 0
+        # By the key limit of the server the release goes to: one restarted at the
+        # address may take fewer keys per request.
+        self._follow_server_for_limits(max(0.0, deadline - time.monotonic()))
+        greeted = self.server
+        progress = _ReleaseProgress()
+        try:
+            self._release_parts(keys, deadline, progress)
+            return progress.released
+        except ServerError as exc:
+            if not self._refused_for_old_limits(exc, greeted, deadline - time.monotonic()):
+                raise
+        # Refused by a server restarted since: the rest once more, by its limit, less the
+        # keys whose locks went with the old one.
+        rest = self._locked_over_this_connection(keys[progress.keys_done :])
+        released, progress = progress.released, _ReleaseProgress()
+        self._release_parts(rest, deadline, progress)
+        return released + progress.released
+
+    def _release_parts(self, keys: list[ObjectKey], deadline: float, progress: _ReleaseProgress) -> None:
+        """``release``'s requests, part by part, by the key limit greeted last."""
         parts = list(self._batches(len(keys)))
         for index, part in enumerate(parts):
             left = max(0.0, deadline - time.monotonic())
             try:
                 with self._lock:
                     self._released_every_lock(keys[part])
-                    released += self._call(
+                    progress.released += self._call(
                         p.Release(0, "", keys[part]), p.ReleaseReply, timeout=left
                     ).released
+                progress.keys_done = part.stop
             except ConnectionLostError as exc:
                 # The rest of the keys' locks are in the lost connection's session too.
                 left = len(keys[part.start :])
@@ -1159,7 +1239,6 @@ class Client(Connection):
             except RequestTimeoutError as exc:
                 unsent = self._release_without_waiting(keys, parts[index + 1 :])
                 raise _unconfirmed_release(exc, len(keys[part.start :]), len(keys), unsent) from exc
-        return released
 
     def _release_without_waiting(self, keys: list[ObjectKey], parts: Sequence[slice]) -> int:
         """RELEASE ``keys[part]`` for each part, not waiting for the replies: after a
