@@ -634,9 +634,11 @@ class Client(Connection):
                 if found < part.stop - part.start:
                     break
         except BaseException as exc:
-            # The parts before hold locks the caller cannot know about: give them back.
+            # The parts before hold locks the caller cannot know about: give them back.  A
+            # part the server refused took none (one refused by a restarted server would
+            # otherwise be released there by key).
             if hits:
-                self._give_back(keys[:asked], exc)
+                self._give_back(keys[: hits if isinstance(exc, ServerError) else asked], exc)
             raise
         return hits
 
@@ -681,10 +683,11 @@ class Client(Connection):
         try:
             return self._lookup_many(key_lists, results, deadline, limit, window)
         except BaseException as exc:
-            # Prompts answered before the failure hold locks the caller cannot know about.
+            # Prompts answered before the failure hold locks (on their hit prefixes) the
+            # caller cannot know about.
             held = list(
                 dict.fromkeys(
-                    key for position, hits in enumerate(results) if hits for key in key_lists[position]
+                    key for position, hits in enumerate(results) if hits for key in key_lists[position][:hits]
                 )
             )
             if held:
