@@ -606,7 +606,10 @@ class Client(Connection):
         """
         listed = checked_keys(keys)
         limit = self.timeout if timeout is None else checked_timeout(timeout)  # _call_seconds, inline
-        self._follow_server_for_limits()
+        deadline = time.monotonic() + limit
+        # Within the call's bound: a greeting bounded by the client's timeout would hold a
+        # call with a shorter one past it while the server is not back yet.
+        self._follow_server_for_limits(limit)
         greeted = self.server
         try:
             if 0 < len(listed) <= self.max_keys:  # one request, the usual case: no hop through _lookup
@@ -615,9 +618,9 @@ class Client(Connection):
                 return self._lookup_part(listed, time.monotonic() + limit, limit, limit)
             return self._lookup(listed, limit)
         except ServerError as exc:
-            if not self._refused_for_old_limits(exc, greeted):
+            if not self._refused_for_old_limits(exc, greeted, deadline - time.monotonic()):
                 raise
-        return self._lookup(listed, limit)
+        return self._lookup(listed, max(0.0, deadline - time.monotonic()))
 
     def _lookup(self, keys: list[ObjectKey], limit: float) -> int:
         """``lookup`` within ``limit`` seconds (zero: no wait for a prefetch)."""
