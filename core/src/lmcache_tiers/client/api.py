@@ -677,11 +677,24 @@ class Client(Connection):
         ``window`` requests in flight: one round trip's latency instead of one per prompt."""
         limit = self._call_seconds(timeout)
         # All checked before the first is sent: those sent would lock keys meanwhile.
-        key_lists = [checked_keys(keys, f"prompt {index}: ") for index, keys in enumerate(key_lists)]
+        listed = [checked_keys(keys, f"prompt {index}: ") for index, keys in enumerate(key_lists)]
         deadline = time.monotonic() + limit
         # Within the call's bound too: the client's whole timeout (infinite, maybe) spent
         # waiting for a server not back yet would stall the caller's step past its own.
         self._follow_server_for_limits(limit)
+        greeted = self.server
+        try:
+            return self._lookup_many_or_give_back(listed, deadline, limit, window)
+        except ServerError as exc:
+            # Sent by the key limit of a server restarted since (see lookup): once more,
+            # by the new one, within what is left of the call's time.
+            if not self._refused_for_old_limits(exc, greeted, deadline - time.monotonic()):
+                raise
+        return self._lookup_many_or_give_back(listed, deadline, limit, window)
+
+    def _lookup_many_or_give_back(
+        self, key_lists: list[list[ObjectKey]], deadline: float, limit: float, window: int
+    ) -> list[int]:
         results: list[int | None] = [None] * len(key_lists)
         try:
             return self._lookup_many(key_lists, results, deadline, limit, window)
@@ -754,14 +767,26 @@ class Client(Connection):
         One handle covers one request, so at most ``max_keys`` keys (``lookup`` takes any
         number)."""
         keys = checked_keys(keys)
+        deadline = time.monotonic() + self.timeout
         self._follow_server_for_limits()
+        greeted = self.server
+        try:
+            return self._start_lookup(keys, self.timeout)
+        except ServerError as exc:
+            # Sent by the key limit of a server restarted since (see lookup): once more,
+            # by the new one, within what is left of the call's time.
+            if not self._refused_for_old_limits(exc, greeted, deadline - time.monotonic()):
+                raise
+        return self._start_lookup(keys, max(0.0, deadline - time.monotonic()))
+
+    def _start_lookup(self, keys: list[ObjectKey], timeout: float) -> tuple[int, int | None]:
         if len(keys) > self.max_keys:
             raise ValueError(
                 f"start_lookup takes at most {self.max_keys} keys (the server's limit per request), "
                 f"got {len(keys)}: use lookup(), which looks longer prompts up part by part"
             )
         request = p.Lookup(0, "", keys)
-        reply = self._call(request, p.LookupReply)
+        reply = self._call(request, p.LookupReply, timeout=timeout)
         if reply.hits is None:
             self._running_prefetch(reply.handle, request.keys)
             return reply.handle, None
