@@ -38,11 +38,15 @@ logger = logging.getLogger(__name__)
 #: how often the waiter for given-up calls looks whether the main thread has ended
 _MAIN_CHECK_S = 0.25
 
-__all__ = ["CallPool", "CallTimeout"]
+__all__ = ["CallPool", "CallTimeout", "PoolClosed"]
 
 
 class CallTimeout(TiersError):
     """A Mooncake call did not answer within its deadline (it was given up)."""
+
+
+class PoolClosed(TiersError):
+    """A call asked of a pool already closed: refused, never queued."""
 
 
 class _Call(Generic[T]):
@@ -104,6 +108,10 @@ class CallPool:
         ]
         self._busy = 0
         self._busy_lock = threading.Lock()
+        #: set by ``close``; with the queueing of calls under ``_closing_lock``, so that no
+        #: call is queued behind the threads' end (none would run it)
+        self._closed = False
+        self._closing_lock = threading.Lock()
         for thread in self._threads:
             thread.start()
 
@@ -178,10 +186,17 @@ class CallPool:
         """``function(*args)`` on a pool thread; ``CallTimeout`` after ``timeout`` seconds.
 
         ``on_late`` runs (on the pool thread) when a call given up at its deadline ends,
-        or instead of it when it never started; it does not run for calls answered in time.
+        or instead of it when it never started; it does not run for calls answered in time,
+        nor for calls refused (``PoolClosed``) because the pool was closed.
         """
         call: _Call[T] = _Call(function, args, on_late)
-        self._jobs.put(call)
+        with self._closing_lock:
+            if self._closed:
+                # Queued, it would wait out its deadline unrun, then count as a call
+                # given up inside Mooncake that never ends: the process would wait for
+                # it at exit (``exit_wait_s``), warning of a call that was never made.
+                raise PoolClosed(f"{what} not made: the adapter's Mooncake calls are closed")
+            self._jobs.put(call)
         if not call.done.wait(timeout) and call.abandon(self._given_up_began):
             raise CallTimeout(f"{what} did not answer within {timeout:g}s")
         if call.error is not None:
@@ -189,6 +204,9 @@ class CallPool:
         return call.result  # type: ignore[return-value]
 
     def close(self) -> None:
-        """Let idle threads end; threads stuck in a call end with it (they are daemons)."""
-        for _ in self._threads:
-            self._jobs.put(None)
+        """Let idle threads end; threads stuck in a call end with it (they are daemons).
+        Calls asked after this are refused (``PoolClosed``)."""
+        with self._closing_lock:
+            self._closed = True
+            for _ in self._threads:
+                self._jobs.put(None)
