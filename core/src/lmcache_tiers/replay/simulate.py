@@ -85,6 +85,9 @@ class PolicyRun:
     block_references: int = 0
     #: offline bounds hold blocks outside the hit prefix too (equal for prefix forests)
     notes: list[str] = field(default_factory=list)
+    #: the hits are of one cache of L1 + L2 blocks (Belady at a two-tier point), not split
+    #: by tier: ``l1_hit_blocks`` carries their total and ``l2_hit_blocks`` is 0
+    combined_tiers: bool = False
 
     @property
     def hit_rate(self) -> float:
@@ -111,6 +114,7 @@ class PolicyRun:
             "hit_blocks": self.hit_blocks,
             "l1_hit_blocks": self.l1_hit_blocks,
             "l2_hit_blocks": self.l2_hit_blocks,
+            "combined_tiers": self.combined_tiers,
             "hit_tokens": self.hit_tokens,
             "total_blocks": self.total_blocks,
             "total_tokens": self.total_tokens,
@@ -243,7 +247,7 @@ def belady_run(trace: Trace, capacity: int, l2_capacity: int | None = None) -> P
     """Belady at the capacity (L1 + L2 for a two-tier point: a bound on the total)."""
     started = time.perf_counter()
     result = belady(trace, capacity + (l2_capacity or 0))
-    return _bound_run(
+    run = _bound_run(
         trace,
         BELADY,
         capacity,
@@ -252,6 +256,9 @@ def belady_run(trace: Trace, capacity: int, l2_capacity: int | None = None) -> P
         result.held_blocks,
         time.perf_counter() - started,
     )
+    # No split by tier: the bound holds for one cache of both sizes, whatever L1 takes.
+    run.combined_tiers = l2_capacity is not None
+    return run
 
 
 def infinite_run(trace: Trace) -> PolicyRun:
