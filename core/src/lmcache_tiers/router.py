@@ -5,7 +5,9 @@ ROUTER.  The loop blocks in a plain ``recv`` (with a receive timeout for houseke
 on small VMs that is about twice as fast per request as polling the socket next to other
 file descriptors.  Pool threads therefore hand finished work back through a queue and
 wake the loop with an empty message from an in-process DEALER connected to the same
-ROUTER, whose identity the loop recognises (:meth:`RouterLoop.is_waker`).
+ROUTER, whose identity the loop recognises (:meth:`RouterLoop.is_waker`).  After a turn
+that found a request, the loop polls that socket alone for a moment before it blocks
+(:class:`~lmcache_tiers.request_spin.RequestSpin`).
 
 A front end owns a :class:`RouterLoop`, receives with its ``socket`` in the
 ``receive_one`` it passes to :meth:`RouterLoop.run`, hands blocking work to
@@ -45,6 +47,7 @@ from lmcache_tiers.activity import DATA_PLANE
 from lmcache_tiers.burst import BurstLog
 from lmcache_tiers.config import FRONTEND_POOL_MAX_MB
 from lmcache_tiers.frontend import FrontendStats
+from lmcache_tiers.request_spin import RequestSpin
 from lmcache_tiers.server.priority import share_priority, thread_ids, threads_named
 from lmcache_tiers.sweep_cadence import sweep_interval
 
@@ -397,6 +400,14 @@ class RouterLoop:
         """
         next_sweep = time.monotonic() + self.sweep_interval_s
         drain_deadline = 0.0
+        # Polls for the next request after a turn that found one (``request_spin.py``): a
+        # turn as long as the receive timeout found nothing, and an idle loop sleeps on
+        # its socket.  Nor while the pool runs work: its threads need the GIL, which the
+        # poll holds while it looks, and their wake-up is what the loop waits for.
+        spin = RequestSpin(self.socket)
+        # half the receive timeout: libzmq counts it in whole milliseconds of its own clock
+        idle_ns = int(self.sweep_interval_s * 1000) * 500_000
+        polling = True
         try:
             while True:
                 if self.reading_held:
@@ -407,7 +418,11 @@ class RouterLoop:
                     self._hold_reading()
                     self._wait_for_room(next_sweep)
                 else:
+                    if polling and not self.in_pool:
+                        spin.poll()
+                    turn = time.perf_counter_ns()
                     receive_one()
+                    polling = time.perf_counter_ns() - turn < idle_ns
                 if self._completions:
                     self._finish_completions()
                 now = time.monotonic()
