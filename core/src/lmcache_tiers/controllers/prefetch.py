@@ -92,6 +92,7 @@ class PrefetchController(ControllerThread):
         self._timed_out = BurstLog(logger, "prefetch_timed_out")
         self._failed_loads = BurstLog(logger, "l2_load_failed")
         self._fallbacks = BurstLog(logger, "l2_load_fallback")
+        self._discarded_queued = BurstLog(logger, "prefetch_discarded_queued", level=logging.INFO)
         # controller thread only:
         self._claimed: Counter[ObjectKey] = Counter()  # keys an active request may load
         self._lookups = TaskTracker[PrefetchRequest, LookupResult](
@@ -352,6 +353,14 @@ class PrefetchController(ControllerThread):
         request = self._handles.discard(handle)
         if request is not None:
             self._drop_queued(request, publish=False)
+            # Its lookup was answered "pending": dropped before it ran (its owner gave up:
+            # a wait that ran out, a session that ended, a stop), it loads nothing.
+            self.stats.fail("prefetch_discarded_queued")
+            self._discarded_queued.event(
+                1,
+                "queued prefetch requests discarded by their owners before they started; "
+                "their locks and pins were released",
+            )
 
     def queued(self) -> int:
         return self._handles.queued()
