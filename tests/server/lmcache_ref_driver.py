@@ -45,6 +45,7 @@ TIMEOUT_S = 3.0
 class Driver:
     def __init__(self) -> None:
         self.client: RequestClient | None = None
+        self.context: zmq.Context[zmq.Socket[bytes]] | None = None
         self.shm: EngineDrivenContextShm | None = None
         self.timeout_s = TIMEOUT_S
 
@@ -65,7 +66,17 @@ class Driver:
             self.shm = None
         if self.client is not None:
             self.client.close()
-        self.client = RequestClientFactory.create(c["url"], context=zmq.Context.instance())
+            self.client = None
+        if self.context is not None:
+            self.context.term()  # returns once ZeroMQ has closed every socket of the client
+            self.context = None
+        # A context per client: LMCache's client binds its socket's monitor to
+        # inproc://monitor.s-<the socket's descriptor>, and a closed client gives the
+        # descriptor back before ZeroMQ's reaper closes that monitor; a new client in the
+        # same context whose socket got the same number failed with "Address already in use".
+        self.context = zmq.Context()
+        self.context.setsockopt(zmq.LINGER, 0)  # requests a closed client never sent: dropped
+        self.client = RequestClientFactory.create(c["url"], context=self.context)
         return {"connected": c["url"]}
 
     def connected(self) -> RequestClient:
