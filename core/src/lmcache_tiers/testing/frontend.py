@@ -31,6 +31,7 @@ from lmcache_tiers.plugins import load_registry
 from lmcache_tiers.registry import Kind
 from lmcache_tiers.storage import StorageManager
 from lmcache_tiers.testing.base import ComponentSuite
+from lmcache_tiers.testing.ports import free_port
 
 __all__ = ["FrontendDriver", "FrontendSuite", "store_keys_accounted"]
 
@@ -262,9 +263,7 @@ class FrontendSuite(ComponentSuite):
             self._create(storage, self._server_config(port=port))
 
     def test_a_front_end_never_started_closes_on_join(self, storage: StorageManager) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = free_port()  # nothing listens there, and no one else takes it
         built = self._create(storage, self._server_config(port=port))
         built.stop()
         assert built.join(10)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -28,15 +27,6 @@ def missing_reason() -> str | None:
         if shutil.which(binary) is None:
             return f"{binary} is not installed (apt-get install -y redis-server)"
     return None
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 #: how long a cluster node may not answer before the others declare it failed.  The
@@ -57,14 +47,9 @@ def free_port(*, cluster: bool = False) -> int:
 
 
 def cluster_ports(count: int) -> list[int]:
-    """``count`` different free ports for cluster nodes: their bus ports are free too and
-    none is another node's port (taken together, so no two nodes get the same one)."""
-    for _ in range(1000):
-        ports = any_free_ports(count)
-        buses = {port + BUS_PORT_OFFSET for port in ports}
-        if max(buses) <= 65535 and not buses & set(ports) and all(_bindable(bus) for bus in buses):
-            return ports
-    raise RuntimeError(f"no {count} free port pairs for cluster nodes")
+    """``count`` different free ports for cluster nodes, each with its bus port free and
+    handed out too (so no node's port is another's bus port)."""
+    return any_free_ports(count, partner_offset=BUS_PORT_OFFSET)
 
 
 class RedisServer:
