@@ -7,8 +7,11 @@ bash scripts/install.sh
 # LMCache's own client, for the tests that run it against the lmcache_mp front end
 bash scripts/install_reference_lmcache.sh
 VENV=${VENV:-.venv}
-# Two workers, one test file each at a time (module fixtures -- a Redis, a SeaweedFS, a
-# Mooncake master -- start once per file): most of the suite waits on servers it started,
-# so two workers finish in well under the time of one, even on two cores.
+# Three workers, one test file each at a time (module fixtures -- a Redis, a SeaweedFS, a
+# Mooncake master -- start once per file): most of the suite waits on servers it started
+# (two workers kept two cores about half busy), so a third worker's files run in those
+# waits, even on two cores. The ports tests give their servers come from
+# lmcache_tiers.testing.ports (outside the kernel's ephemeral range, each leased to one
+# process), so more workers opening connections at once cannot take one meanwhile.
 # TEST_WORKERS=0 runs everything in this process; later -n/--dist arguments win.
-"$VENV/bin/python" -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
+"$VENV/bin/python" -m pytest -n "${TEST_WORKERS:-3}" --dist loadfile "$@"
