@@ -5,15 +5,14 @@ key limit of its own, when given)."""
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
 from lmcache_tiers.client import Client
-from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.frontend import FrontendStats
 from lmcache_tiers.keys import ObjectKey
 from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.testing.client_restarts import restarted_at
 
 Factory = Callable[..., TiersServer]
 
@@ -44,37 +43,11 @@ def stored_by_another_client(server: TiersServer, keys: list[ObjectKey]) -> None
         assert writer.store(keys, payloads(len(keys))) == len(keys)
 
 
-def until_the_drop_is_seen(client: Client) -> None:
-    """Wait until ``client`` has read its connection's drop from the connection events."""
-    deadline = time.monotonic() + 30
-    while True:
-        with client._lock:
-            client._read_link_events()
-            if client._unlinked:
-                return
-        assert time.monotonic() < deadline, "the client never saw its connection drop"
-        time.sleep(0.01)
-
-
-def stopped(server: TiersServer, client: Client) -> None:
-    """Stop ``server``; return once ``client`` has seen its connection drop."""
-    server.request_stop()
-    assert server.frontends[0].join(30)
-    until_the_drop_is_seen(client)
-
-
 def restarted(
     make_server: Factory, first: TiersServer, client: Client, max_keys: int | None = None
 ) -> TiersServer:
     """Stop ``first`` and start another server at its port (taking ``max_keys`` keys per
     request, when given), once ``client`` has seen its connection drop."""
     port = int(first.endpoint.rsplit(":", 1)[1])
-    stopped(first, client)
     config: dict[str, Any] = {} if max_keys is None else {"frontends": native(max_keys)}
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            return make_server(port=port, **config)
-        except ConfigError:
-            assert time.monotonic() < deadline, "the port of the stopped server never came free"
-            time.sleep(0.1)  # the first one's port is still being given back
+    return restarted_at(port, first, client, make_server, **config)

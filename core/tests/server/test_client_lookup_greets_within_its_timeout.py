@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from client_restarts import Factory, fresh_keys, stopped
+from client_restarts import Factory, fresh_keys
 
 from lmcache_tiers.client import Client, ClientError
+from lmcache_tiers.testing.client_restarts import stopped
 from lmcache_tiers.wire import protocol as p
 
 CLIENT_TIMEOUT_S = 3.0

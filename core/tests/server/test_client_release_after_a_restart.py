@@ -12,17 +12,10 @@ from __future__ import annotations
 import logging
 
 import pytest
-from client_restarts import (
-    Factory,
-    fresh_keys,
-    native,
-    restarted,
-    stats_of,
-    stopped,
-    stored_by_another_client,
-)
+from client_restarts import Factory, fresh_keys, native, restarted, stats_of, stored_by_another_client
 
 from lmcache_tiers.client import Client
+from lmcache_tiers.testing.client_restarts import stopped
 
 
 def test_a_release_of_locks_taken_before_a_restart_sends_nothing_to_the_restarted_server(

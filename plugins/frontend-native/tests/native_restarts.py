@@ -3,38 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.server.app import TiersServer
 from lmcache_tiers.wire import protocol as p
-
-
-def until_the_drop_is_seen(client: Client) -> None:
-    """Wait until ``client`` has read its connection's drop from the connection events."""
-    deadline = time.monotonic() + 30
-    while True:
-        with client._lock:
-            client._read_link_events()
-            if client._unlinked:
-                return
-        assert time.monotonic() < deadline, "the client never saw its connection drop"
-        time.sleep(0.01)
-
-
-def restarted_at(
-    port: int, first: TiersServer, client: Client, make_server: Callable[..., TiersServer], **config: Any
-) -> TiersServer:
-    """Stop ``first`` and start another server at ``port``, its address (made with
-    ``config``), once ``client`` has seen its connection drop."""
-    first.request_stop()
-    assert first.frontends[0].join(30)
-    until_the_drop_is_seen(client)
-    return make_server(port=port, **config)
 
 
 def reserved_by_another_thread(client: Client, keys: Sequence[ObjectKey], size: int) -> list[p.Slot]:

@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 from native_keys import keys_of, stats_of
-from native_restarts import restarted_at, until_the_drop_is_seen
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.testing.client_restarts import restarted_at, until_the_drop_is_seen
 from lmcache_tiers.testing.ports import free_port
 from lmcache_tiers.wire import protocol as p
 

@@ -10,10 +10,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from native_keys import keys_of
-from native_restarts import given_up_reply, restarted_at
+from native_restarts import given_up_reply
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.testing.client_restarts import restarted_at
 from lmcache_tiers.testing.ports import free_port
 from lmcache_tiers.wire import protocol as p
 

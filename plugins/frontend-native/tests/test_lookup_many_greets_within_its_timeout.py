@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 from native_keys import keys_of
-from native_restarts import until_the_drop_is_seen
 
 from lmcache_tiers.client import Client, ClientError
 from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.testing.client_restarts import until_the_drop_is_seen
 from lmcache_tiers.wire import protocol as p
 
 Factory = Callable[..., TiersServer]

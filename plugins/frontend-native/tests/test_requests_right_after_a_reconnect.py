@@ -10,10 +10,10 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 from native_keys import keys_of
-from native_restarts import until_the_drop_is_seen
 
 from lmcache_tiers.client import Client, connection
 from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.testing.client_restarts import until_the_drop_is_seen
 from lmcache_tiers.testing.ports import free_port
 
 Factory = Callable[..., TiersServer]

@@ -13,10 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 from native_keys import keys_of
-from native_restarts import copied_and_committed_by_that_thread, reserved_by_another_thread, restarted_at
+from native_restarts import copied_and_committed_by_that_thread, reserved_by_another_thread
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.testing.client_restarts import restarted_at
 from lmcache_tiers.testing.ports import free_port
 from lmcache_tiers.wire import protocol as p
 

@@ -18,12 +18,12 @@ from native_restarts import (
     assert_stored_there,
     copied_and_committed_by_that_thread,
     reserved_by_another_thread,
-    restarted_at,
 )
 from native_stop import wait_for
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.testing.client_restarts import restarted_at
 from lmcache_tiers.testing.ports import free_port
 from lmcache_tiers.wire import protocol as p
 
