@@ -75,15 +75,22 @@ def listener(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[s
 
 
 class HeldLookups:
-    """The real writer lookup of ``arena``, run only once :attr:`may_scan` is set."""
+    """The real writer lookup of ``arena``, run only once :attr:`may_scan` is set, and the
+    front end's ``stand_in`` question, asked only once :attr:`may_ask` is set."""
 
     def __init__(self, arena: tuple[int, int]) -> None:
         self.may_scan = threading.Event()
+        self.may_ask = threading.Event()
+        self._arena = arena
         self._scan = partial(watch_writer_socket, arena=arena)
 
     def __call__(self, peer: PeerSocket) -> Any:
         assert self.may_scan.wait(60)
         return self._scan(peer)
+
+    def stand_in(self, pinned: PeerProcess) -> bool:
+        assert self.may_ask.wait(60)
+        return maps_file(pinned.pids, *self._arena)
 
 
 @pytest.fixture
@@ -93,9 +100,10 @@ def lookups(arena: tuple[str, tuple[int, int]]) -> Iterator[tuple[ConnectionPeer
     connections = ConnectionPeers(
         scans,
         thread_name="tiers-test-peer-scan",
-        stand_in=lambda pinned: maps_file(pinned.pids, *file),
+        stand_in=scans.stand_in,
     )
     yield connections, scans
+    scans.may_ask.set()
     scans.may_scan.set()
     connections.close()
 
@@ -121,7 +129,7 @@ class StandInCase:
         self, hint: int, before_the_lookup: Callable[[], object] = lambda: None
     ) -> Iterator[PeerWatch]:
         """The watch of a connection a process mapping nothing holds, told ``hint``, once
-        its lookup (let run after ``before_the_lookup``) ended."""
+        its lookup (let run, and the pin asked, after ``before_the_lookup``) ended."""
         sock, address = self.listener
         relay = start_script(RELAY, address, started=self.processes)
         assert line_of(relay) == "connected"
@@ -130,6 +138,7 @@ class StandInCase:
             watch = self.connections.watch(accepted.fileno(), hint=hint)
             assert watch is not None
             before_the_lookup()
+            self.scans.may_ask.set()
             self.scans.may_scan.set()
             assert watch.armed.wait(30), "the lookup did not end"
             yield watch
@@ -164,7 +173,8 @@ def test_a_hinted_process_not_mapping_the_arena_does_not_stand_in(case: StandInC
 
 
 def test_a_hinted_process_gone_before_the_lookup_does_not_stand_in(case: StandInCase) -> None:
-    """Nothing can tell any more that it mapped the arena: the fences wait for a commit."""
+    """Gone before anything asked it: nothing can tell any more that it mapped the arena,
+    so the fences wait for a commit."""
     writer = case.mapping()
     with case.watched_behind_a_relay(writer.pid, before_the_lookup=lambda: end(writer)) as watch:
         assert watch.stand_in is None and watch.pin is None and not watch.exited()
