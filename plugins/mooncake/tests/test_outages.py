@@ -51,12 +51,19 @@ def _round_trip(client: BlockingAdapterClient, start: int) -> bool:
     return loaded == [True, True] and [bytes(b) for b in buffers] == data
 
 
+def _first_round_trip(client: BlockingAdapterClient) -> None:
+    """A round trip once the adapter is connected: its first set-up runs in the background
+    within ``operation_timeout_s`` (a fraction of a second in these tests), which a loaded
+    machine can miss once; the set-up is retried a second later."""
+    eventually(lambda: _round_trip(client, 0), timeout=60, what="a first round trip through the pool")
+
+
 def test_master_killed_mid_run_then_restarted(own_cluster: LocalCluster) -> None:
     own_cluster.add_segment_host("128MB")
     adapter = open_adapter(config_for(own_cluster, operation_timeout_s=1.0))
     client = BlockingAdapterClient(adapter, timeout=60)
     try:
-        assert _round_trip(client, 0)
+        _first_round_trip(client)
         stored = make_keys(2, start=0)
         own_cluster.kill_master()
 
@@ -100,7 +107,7 @@ def test_a_hung_master_fails_calls_after_the_timeout(own_cluster: LocalCluster) 
     master = own_cluster.master
     assert master is not None
     try:
-        assert _round_trip(client, 0)
+        _first_round_trip(client)
         master.send_signal(signal.SIGSTOP)
         wait_stopped(master.pid, HANG_GUARD_S)
         try:
@@ -131,7 +138,7 @@ def test_an_adapter_opened_before_the_master_starts_connects_later(own_cluster: 
         own_cluster.add_segment_host("64MB")
         eventually(lambda: adapter.stats()["connected"] == 1, timeout=90, what="the connection")
         assert adapter.stats()["connect_failures"] >= 1
-        assert _round_trip(client, 0)
+        _first_round_trip(client)
     finally:
         adapter.close()
 
@@ -426,7 +433,7 @@ def test_closing_against_a_stopped_master_takes_the_adapters_timeouts_not_moonca
     client = BlockingAdapterClient(adapter, timeout=60)
     master = own_cluster.master
     assert master is not None
-    assert _round_trip(client, 0)
+    _first_round_trip(client)
     master.send_signal(signal.SIGSTOP)
     wait_stopped(master.pid, HANG_GUARD_S)
     try:
@@ -454,7 +461,7 @@ def _master_silent(
     adapter = open_adapter(config_for(cluster, operation_timeout_s=0.25))
     client = BlockingAdapterClient(adapter, timeout=60)
     try:
-        assert _round_trip(client, 0)
+        _first_round_trip(client)
         stored = make_keys(2, start=0)
         cluster.kill_master()
         # The first call finds the master's connection closed: it fails at once.
@@ -529,7 +536,7 @@ def test_calls_made_as_a_frozen_master_resumes_are_served_not_refused(
     master = own_cluster.master
     assert master is not None
     try:
-        assert _round_trip(client, 0)
+        _first_round_trip(client)
         stored = make_keys(2, start=0)
         backend = backend_of(adapter)
         master.send_signal(signal.SIGSTOP)
