@@ -6,13 +6,11 @@ for a server not back yet, where the lookup itself (against a server without
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from client_restarts import Factory, fresh_keys
 
 from lmcache_tiers.client import Client, ClientError
-from lmcache_tiers.testing.client_restarts import stopped
+from lmcache_tiers.testing.client_restarts import greeting_bounds, stopped
 from lmcache_tiers.wire import protocol as p
 
 CLIENT_TIMEOUT_S = 3.0
@@ -29,15 +27,7 @@ def test_the_greeting_of_a_lookup_after_a_drop_is_bounded_by_its_timeout(
     with Client(server.endpoint, timeout=CLIENT_TIMEOUT_S) as client:
         assert ("lookup_wait" in client.server_features) is lookup_wait
         stopped(server, client)
-        bounds: list[float] = []
-        round_trip = client._round_trip
-
-        def noting_the_bound(request: p._Request, expect: Any, seconds: float) -> Any:
-            if isinstance(request, p.Hello):
-                bounds.append(seconds)
-            return round_trip(request, expect, seconds)
-
-        monkeypatch.setattr(client, "_round_trip", noting_the_bound)
+        bounds = greeting_bounds(client, monkeypatch)
         with pytest.raises(ClientError):  # nobody listens at the address
             client.lookup(fresh_keys(2), timeout=CALL_TIMEOUT_S)
         assert bounds, "no greeting was sent"

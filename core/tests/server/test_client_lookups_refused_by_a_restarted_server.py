@@ -13,7 +13,7 @@ from client_restarts import Factory, fresh_keys, native, restarted, stats_of, st
 
 from lmcache_tiers.client import Client
 from lmcache_tiers.server.app import TiersServer
-from lmcache_tiers.wire import protocol as p
+from lmcache_tiers.testing.client_restarts import greeting_bounds
 
 OLD_LIMIT = 4
 NEW_LIMIT = 2
@@ -37,16 +37,8 @@ def test_a_lookup_refused_by_a_server_restarted_after_its_look_goes_by_the_new_l
                 servers.append(restarted(make_server, first, client, max_keys=NEW_LIMIT))
                 stored_by_another_client(servers[0], keys)
 
-        greetings: list[float] = []
-        round_trip = client._round_trip
-
-        def noting_the_bound(request: p._Request, expect: Any, seconds: float) -> Any:
-            if isinstance(request, p.Hello):
-                greetings.append(seconds)
-            return round_trip(request, expect, seconds)
-
         monkeypatch.setattr(client, "_follow_server_for_limits", restart_after_the_look)
-        monkeypatch.setattr(client, "_round_trip", noting_the_bound)
+        greetings = greeting_bounds(client, monkeypatch)
         if call == "lookup":
             assert client.lookup(keys, timeout=CALL_TIMEOUT_S) == len(keys)
         elif call == "lookup_many":

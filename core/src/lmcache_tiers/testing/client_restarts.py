@@ -1,5 +1,5 @@
-"""A server stopped and another started at its address while a client stays, for the
-tests of a client across drops and restarts."""
+"""A server stopped and another started at its address while a client stays, and the bounds
+the client gives its greetings, for the tests of a client across drops and restarts."""
 
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from lmcache_tiers.client import Client
 from lmcache_tiers.errors import ConfigError
 from lmcache_tiers.server.app import TiersServer
+from lmcache_tiers.wire import protocol as p
 
 
 def until_the_drop_is_seen(client: Client) -> None:
@@ -29,6 +32,21 @@ def stopped(server: TiersServer, client: Client) -> None:
     server.request_stop()
     assert server.frontends[0].join(30)
     until_the_drop_is_seen(client)
+
+
+def greeting_bounds(client: Client, monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The bounds, in seconds, ``client`` gives the HELLOs it sends from now on (until
+    ``monkeypatch`` is undone), in the order it sends them."""
+    bounds: list[float] = []
+    round_trip = client._round_trip
+
+    def noting_the_bound(request: p._Request, expect: Any, seconds: float) -> Any:
+        if isinstance(request, p.Hello):
+            bounds.append(seconds)
+        return round_trip(request, expect, seconds)
+
+    monkeypatch.setattr(client, "_round_trip", noting_the_bound)
+    return bounds
 
 
 def restarted_at(
