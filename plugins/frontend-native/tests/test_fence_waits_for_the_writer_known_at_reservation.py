@@ -163,16 +163,25 @@ def found_not_writer(server: TiersServer, identity: bytes) -> bool:
     return bool(watch.armed.is_set() and watch.not_writer)
 
 
+def writer_reserved_through(
+    relay_script: str, server: TiersServer, processes: list[subprocess.Popen[str]]
+) -> tuple[subprocess.Popen[str], str, str]:
+    """A writer that reserved one chunk through a relay running ``relay_script`` (given
+    the server's port, printing its own); with the routing identity and key name it used."""
+    relay = start_script(relay_script, server.endpoint.rsplit(":", 1)[1], started=processes)
+    relayed = f"tcp://127.0.0.1:{line_of(relay)}"
+    identity, name = (b"W" + os.urandom(7)).hex(), os.urandom(8).hex()
+    writer = start_script(WRITER, relayed, arena_path(server), identity, name, str(CHUNK), started=processes)
+    assert line_of(writer) == "reserved"
+    return writer, identity, name
+
+
 def relayed_writer_reserved(
     server: TiersServer, processes: list[subprocess.Popen[str]]
 ) -> tuple[subprocess.Popen[str], str, str]:
     """A writer that reserved one chunk through a relay, its connection's lookup ended
     (finding the relay, not the writer); with the routing identity and key name it used."""
-    relay = start_script(TCP_RELAY, server.endpoint.rsplit(":", 1)[1], started=processes)
-    relayed = f"tcp://127.0.0.1:{line_of(relay)}"
-    identity, name = (b"W" + os.urandom(7)).hex(), os.urandom(8).hex()
-    writer = start_script(WRITER, relayed, arena_path(server), identity, name, str(CHUNK), started=processes)
-    assert line_of(writer) == "reserved"
+    writer, identity, name = writer_reserved_through(TCP_RELAY, server, processes)
     wait_for(lambda: found_not_writer(server, bytes.fromhex(identity)), "the relay found, not the writer")
     return writer, identity, name
 

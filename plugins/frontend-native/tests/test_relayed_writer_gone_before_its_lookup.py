@@ -18,27 +18,25 @@ is fenced.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import threading
 from collections.abc import Callable
 
 import pytest
-from native_fence_support import CHUNK, SHORT_TTL
+from native_fence_support import SHORT_TTL
 from native_keys import leases_of
 from native_stop import wait_for
 from test_fence_waits_for_the_writer_known_at_reservation import (
-    WRITER,
     HeldSweeps,
-    arena_path,
     fenced,
     found_not_writer,
     native,
+    writer_reserved_through,
 )
 
 from lmcache_tiers.peer_process import PeerProcess, PeerSocket
 from lmcache_tiers.server.app import TiersServer
-from lmcache_tiers.testing.children import end, line_of, start_script
+from lmcache_tiers.testing.children import end
 
 #: relays every connection to 127.0.0.1:argv[1] from a port of its own, which it prints,
 #: and keeps the connection to the server open once its client's closes
@@ -89,11 +87,7 @@ def test_a_relayed_writer_gone_before_its_lookup_ran_has_its_fence_lifted(
     server = make_server(**SHORT_TTL)
     sweeps = HeldSweeps(server, monkeypatch)
     scans = HeldScans(server, monkeypatch)
-    relay = start_script(KEEPING_RELAY, server.endpoint.rsplit(":", 1)[1], started=processes)
-    relayed = f"tcp://127.0.0.1:{line_of(relay)}"
-    identity, name = (b"W" + os.urandom(7)).hex(), os.urandom(8).hex()
-    writer = start_script(WRITER, relayed, arena_path(server), identity, name, str(CHUNK), started=processes)
-    assert line_of(writer) == "reserved"
+    writer, identity, _ = writer_reserved_through(KEEPING_RELAY, server, processes)
     assert scans.started.wait(30), "the connection's lookup never began"
     end(writer)  # dies holding its reservation, its connection's lookup not run yet
     scans.let_go()
