@@ -310,6 +310,11 @@ class SlotStoreBackend(ABC):
                 )
             self._fill_verified(entry, target, record)
         except OSError as exc:
+            if self.context.closing:
+                # The close released the device between the check above and the read:
+                # the close stopped this load, the device did not fail it.
+                self._stopped_closing("load", 1)
+                return False
             self.context.count("slot_read_errors")
             self._burst.warn("read", "%s: reading slot %d failed: %s", self.type_name, entry.slot, exc)
             return False
