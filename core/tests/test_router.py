@@ -6,22 +6,14 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
+from router_loops import router_loop
 
-from lmcache_tiers.frontend import FrontendStats
 from lmcache_tiers.router import RouterLoop
 
 
 @pytest.fixture
 def loop() -> Iterator[RouterLoop]:
-    router = RouterLoop(
-        "tcp://127.0.0.1:0",
-        name="t",
-        stats=FrontendStats(),
-        pool_workers=1,
-        max_frame_bytes=1 << 20,
-        sweep_interval_s=0.05,
-        drain_timeout_s=1.0,
-    )
+    router = router_loop(drain_timeout_s=1.0)
     yield router
     router.close()
 

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 import zmq
+from router_loops import router_loop
 
 from lmcache_tiers.frontend import FrontendStats
-from lmcache_tiers.router import ABANDONED_REASON, CountedAtStop, RouterLoop
+from lmcache_tiers.router import ABANDONED_REASON, CountedAtStop
 
 #: how long a stalled request waits for the test at most (the test never relies on it)
 STALL_LIMIT_S = 60.0
@@ -30,15 +31,7 @@ def stopped_with(
     submitted, stop it and wait for its end; the stats it counted and the results its
     ``done`` got."""
     stats = FrontendStats()
-    router = RouterLoop(
-        "tcp://127.0.0.1:0",
-        name="t",
-        stats=stats,
-        pool_workers=1,
-        max_frame_bytes=1 << 20,
-        sweep_interval_s=0.05,
-        drain_timeout_s=drain_timeout_s,
-    )
+    router = router_loop(drain_timeout_s=drain_timeout_s, stats=stats)
 
     def receive_one() -> None:
         try:

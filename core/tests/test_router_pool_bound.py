@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 import zmq
+from router_loops import router_loop
 
 from lmcache_tiers.frontend import FrontendStats
-from lmcache_tiers.router import POOL_RESUME_SHARE, RouterLoop
+from lmcache_tiers.router import POOL_RESUME_SHARE
 
 #: requests the loop under test holds on its pool at most
 BOUND = 8
@@ -33,14 +34,9 @@ class GatedPoolLoop:
 
     def __init__(self, max_pool_requests: int, max_pool_bytes: int | None = None) -> None:
         self.stats = FrontendStats()
-        self.router = RouterLoop(
-            "tcp://127.0.0.1:0",
-            name="t",
-            stats=self.stats,
-            pool_workers=1,
-            max_frame_bytes=1 << 20,
-            sweep_interval_s=0.05,
+        self.router = router_loop(
             drain_timeout_s=JOIN_S / 2,
+            stats=self.stats,
             max_pool_requests=max_pool_requests,
             max_pool_bytes=max_pool_bytes,
         )

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
+from router_loops import router_loop
 
 from lmcache_tiers import router as router_module
-from lmcache_tiers.frontend import FrontendStats
 from lmcache_tiers.request_spin import RequestSpin
 from lmcache_tiers.router import RouterLoop
 
@@ -22,15 +22,7 @@ WAIT_MS = int(WAIT_S * 1000)
 
 @pytest.fixture
 def loop() -> Iterator[RouterLoop]:
-    router = RouterLoop(
-        "tcp://127.0.0.1:0",
-        name="t",
-        stats=FrontendStats(),
-        pool_workers=1,
-        max_frame_bytes=1 << 20,
-        sweep_interval_s=0.05,
-        drain_timeout_s=5.0,
-    )
+    router = router_loop(drain_timeout_s=5.0)
     yield router
     if router._thread is None:
         router.close()
