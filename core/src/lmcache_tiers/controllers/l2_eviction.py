@@ -624,6 +624,12 @@ class L2EvictionController(ControllerThread):
                 outcome.append(result)
                 self._delete_done.notify_all()
                 given_up = self._hung_delete is threading.current_thread()
+            if given_up and not isinstance(result, BaseException):
+                # The cycle that gave up on it counted none of its keys, and no other
+                # cycle will: what it deleted is evicted now.
+                evicted = sum(result)
+                if evicted:
+                    self.stats.add_adapter(self.slot.index, "keys_evicted", evicted)
             # Only a delete its cycle gave up on wakes the next one (skipped while it hung,
             # it may evict now): a cycle that waited goes on by itself, and a wake from
             # every delete ran cycle after cycle of deletes a backend refuses, on an idle
