@@ -274,7 +274,7 @@ class StorageManager:
         return self.prefetch.submit(keys, readers)
 
     def start_prefetch(
-        self, keys: Sequence[ObjectKey], *, readers: int = 1
+        self, keys: Sequence[ObjectKey], *, readers: int = 1, owner_expires: bool = False
     ) -> tuple[int, list[ObjectKey] | None]:
         """``submit_prefetch`` for a caller about to ask for the result anyway (a front end
         answering a lookup): ``(handle, locked)`` when the prefetch finished at once, which
@@ -283,10 +283,15 @@ class StorageManager:
         ``locked`` is the read-locked prefix
         (its length is the hit count; release it like any prefetched prefix).  Otherwise
         ``(handle, None)``, and the result comes from ``query_prefetch``/``wait_prefetch``.
+
+        ``owner_expires``: the caller gives the result back itself (``discard_prefetch``)
+        when its own deadline passes, and counts that, so the storage keeps it until then
+        rather than expiring it at the result TTL -- the caller would find it gone, and
+        count again a result the storage counted.
         """
         if self._closed:  # ``_check_open``, without a call on every lookup
             self._check_open()
-        return self.prefetch.begin(keys, readers)
+        return self.prefetch.begin(keys, readers, owner_expires=owner_expires)
 
     def query_prefetch(self, handle: int) -> int | None:
         """Prefix hit count (L1 + L2) once done, None while running.

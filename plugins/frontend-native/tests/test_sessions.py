@@ -326,7 +326,9 @@ class _L1Storage:
     def __init__(self, l1: L1Manager) -> None:
         self.l1 = l1
 
-    def start_prefetch(self, keys: Sequence[ObjectKey], *, readers: int = 1) -> tuple[int, list[ObjectKey]]:
+    def start_prefetch(
+        self, keys: Sequence[ObjectKey], *, readers: int = 1, owner_expires: bool = False
+    ) -> tuple[int, list[ObjectKey]]:
         return 0, [obj.key for obj in self.l1.reserve_read_prefix(keys, readers, until_repeat=True)]
 
     def release(self, keys: Sequence[ObjectKey], count: int = 1) -> None:

@@ -120,7 +120,9 @@ class PrefetchController(ControllerThread):
             self._handles.publish(handle, result)
         return handle
 
-    def begin(self, keys: Sequence[ObjectKey], readers: int = 1) -> tuple[int, list[ObjectKey] | None]:
+    def begin(
+        self, keys: Sequence[ObjectKey], readers: int = 1, *, owner_expires: bool = False
+    ) -> tuple[int, list[ObjectKey] | None]:
         """Like ``submit``, but a prefetch with nothing to do in L2 (every key hit L1, no
         adapter, or shutting down) is answered at once: ``(handle, locked)``, ``locked``
         being the read-locked prefix (the caller's own keys, in order), and
@@ -128,6 +130,9 @@ class PrefetchController(ControllerThread):
 
         The common lookup (everything in L1) thus costs one pass over L1 and no request
         record, queue, thread wake-up or result to collect.
+
+        ``owner_expires``: the result is kept until its owner claims or discards it, not
+        given back at its deadline (``PrefetchRequest.owner_expires``).
         """
         if readers < 1:
             raise ValueError(f"readers must be at least 1, got {readers}")
@@ -171,7 +176,9 @@ class PrefetchController(ControllerThread):
                 ):
                     self.stats.add_lookup(distinct, l1_hits)
                     return handle, locked
-            answer = self._begin_l2(handle, keys, readers, l1_hits, locked, started, failed, probed)
+            answer = self._begin_l2(
+                handle, keys, readers, l1_hits, locked, started, failed, probed, owner_expires
+            )
         except BaseException:
             for index, probe in probed.items():  # a hit's pin that no request took over
                 if probe.found[0]:
@@ -194,6 +201,7 @@ class PrefetchController(ControllerThread):
         started: float,
         failed: dict[int, LookupResult | None],
         probed: dict[int, LookupResult],
+        owner_expires: bool,
     ) -> tuple[int, list[ObjectKey] | None]:
         """``begin`` of a lookup with keys left for L2 past L1's prefix: the adapters that
         answer at once asked (those in ``probed`` about the keys after the first only), the
@@ -216,7 +224,9 @@ class PrefetchController(ControllerThread):
             remaining,
         )
         until = started + self._handles.result_ttl_s
-        request = PrefetchRequest(handle, unique, readers, l1_hits, until, self.l1.lock_deadline(started))
+        request = PrefetchRequest(
+            handle, unique, readers, l1_hits, until, self.l1.lock_deadline(started), owner_expires
+        )
         try:
             if self._look_up_now(request, failed, probed) and not any(request.pinned.values()):
                 # every adapter answered at once, and nothing was found
@@ -799,9 +809,8 @@ class PrefetchController(ControllerThread):
             self.stats.add("l2_hit_chunks", l2_hits)
         if hits > l2_hits:
             self.stats.add("l1_hit_chunks", hits - l2_hits)
-        result = HeldResult(
-            hits, request.keys[:hits], request.readers, request.result_deadline, request.not_before
-        )
+        held_until = request.held_until
+        result = HeldResult(hits, request.keys[:hits], request.readers, held_until, request.not_before)
         self._handles.finish(request.handle, result)
 
     def _unclaim(self, request: PrefetchRequest) -> None:
@@ -879,7 +888,7 @@ class PrefetchController(ControllerThread):
         self._locks.release_read(request.keys[: request.l1_hits], request.readers, request.not_before)
         self._locks.release_pins(request)
         if publish:
-            self._handles.publish(request.handle, HeldResult(0, [], request.readers, request.result_deadline))
+            self._handles.publish(request.handle, HeldResult(0, [], request.readers, request.held_until))
         else:
             self._handles.give_up(request.handle)
 

@@ -10,6 +10,7 @@ reaches once the loads are in.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,10 @@ class PrefetchRequest:
     #: a time read before the first): releases given it never drop a lock another holder
     #: forgot (``L1Manager.finish_read``); None: no bound
     not_before: float | None = None
+    #: its owner gives the result back itself if it does not claim it in time, and counts
+    #: that: the result is not expired at ``result_deadline`` (the owner would count again
+    #: a result it then found gone), only the request given up if still running by then
+    owner_expires: bool = False
     remaining: list[ObjectKey] = field(default_factory=list)  # keys[l1_hits:] at start
     lookups: dict[int, int] = field(default_factory=dict)  # adapter index -> task id
     found: dict[int, LookupResult] = field(default_factory=dict)  # adapter index -> result
@@ -50,6 +55,12 @@ class PrefetchRequest:
     loads: set[tuple[int, int]] = field(default_factory=set)  # (adapter index, task id)
     loaded: set[ObjectKey] = field(default_factory=set)
     layouts: dict[ObjectKey, str] = field(default_factory=dict)  # loaded keys' stored layouts
+
+    @property
+    def held_until(self) -> float:
+        """The deadline of its result (``HeldResult.deadline``): never, when its owner
+        gives it back itself."""
+        return math.inf if self.owner_expires else self.result_deadline
 
     def forget_pins(self, index: int, keys: list[ObjectKey]) -> None:
         """``keys``' pins on adapter ``index`` are being dropped."""

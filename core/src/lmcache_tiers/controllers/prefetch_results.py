@@ -30,7 +30,9 @@ class HeldResult:
     hits: int
     locked: list[ObjectKey]  # read-locked ``readers`` times for the owner
     readers: int
-    deadline: float  # monotonic time after which nobody will claim it
+    #: monotonic time after which nobody will claim it; inf: its owner gives it back
+    #: itself (``PrefetchRequest.owner_expires``)
+    deadline: float
     #: a lower bound on the deadlines of its locks (``L1Manager.lock_deadline`` of a time
     #: read before they were taken), so that giving them back drops them and never a lock
     #: another holder forgot; None: unknown

@@ -129,7 +129,7 @@ class StorageLike(Protocol):
     def submit_prefetch(self, keys: Sequence[ObjectKey], *, readers: int = 1) -> int: ...
 
     def start_prefetch(
-        self, keys: Sequence[ObjectKey], *, readers: int = 1
+        self, keys: Sequence[ObjectKey], *, readers: int = 1, owner_expires: bool = False
     ) -> tuple[int, list[ObjectKey] | None]: ...
 
     def query_prefetch(self, handle: int) -> int | None: ...
@@ -325,7 +325,9 @@ class Handlers:
         keys = req.keys
         now = time.monotonic()
         session = self.sessions.get(identity, now)
-        handle, locked = self.storage.start_prefetch(keys, readers=1)
+        # The sweep gives back (and counts) a result not collected by its deadline: the
+        # storage keeps it until then, or the sweep would count again one it expired.
+        handle, locked = self.storage.start_prefetch(keys, readers=1, owner_expires=True)
         wire_handle = self._handle_base + handle
         if locked is None:
             pending = PendingPrefetch(keys, now, now + self.sessions.result_ttl_s)
