@@ -12,7 +12,7 @@ import pytest
 
 from lmcache_tiers.errors import L1OutOfMemoryError
 from lmcache_tiers.keys import ObjectKey
-from lmcache_tiers.l1 import L1Manager
+from lmcache_tiers.l1 import L1Manager, leases
 
 ALIGN = 4096
 BLOCKS = 8
@@ -77,5 +77,17 @@ def test_objects_are_reclaimable_again_once_their_grace_period_ends(l1: L1Manage
     reaped_at = lapse_read_locks(l1, range(4))
     assert l1.reclaimable_bytes() == CAPACITY - 4 * ALIGN
     l1.expire_locks(reaped_at + GRACE + 1.0)  # forgets the grace periods over by then
+    assert l1.reclaimable_bytes() == CAPACITY
+    assert l1.unevictable_extents() == 0
+
+
+def test_past_the_walk_limit_objects_in_their_grace_period_count_as_reclaimable(
+    l1: L1Manager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The walk runs under the L1 lock for every write that finds L1 full: past its limit
+    (a crashed client's many locks) the figure is the optimistic one, not a long walk."""
+    monkeypatch.setattr(leases, "LAPSED_WALK_LIMIT", 3)
+    store(l1, range(6))
+    lapse_read_locks(l1, range(4))
     assert l1.reclaimable_bytes() == CAPACITY
     assert l1.unevictable_extents() == 0

@@ -58,6 +58,14 @@ from lmcache_tiers.l1.objects import L1Object, ObjectState
 
 logger = logging.getLogger(__name__)
 
+#: ``lapsed_unlocked`` walks at most this many lapsed extents: it runs under the L1 lock
+#: for every write that finds L1 full, and after a crashed client's 100k locks lapsed a
+#: walk of them all took ~16 ms each time for the whole grace period.  Past it, objects in
+#: their grace period count as reclaimable, as if evicting them freed room now: a write no
+#: eviction can fit may then evict before it fails (``l1_write_oom``) rather than be
+#: refused up front (``l1_write_cannot_fit``) -- a cost, never a wrong byte.
+LAPSED_WALK_LIMIT = 1024
+
 #: generation table entries are uint64
 _GENERATION_MASK = (1 << 64) - 1
 
@@ -278,8 +286,9 @@ class ExtentLeases:
         """The unlocked READY objects whose expired locks' grace period has not ended at
         ``now``: evicting one quarantines its extent (``held_back``), which frees nothing
         until then.  Walks the objects whose locks expired within the grace period: none
-        unless a holder let its locks lapse (a crashed client)."""
-        if not self._lapsed:
+        unless a holder let its locks lapse (a crashed client); none either past
+        :data:`LAPSED_WALK_LIMIT` of them (see there)."""
+        if not self._lapsed or len(self._lapsed) > LAPSED_WALK_LIMIT:
             return []
         objects = self._lapsed_objects
         return [
