@@ -31,7 +31,7 @@ def stalled_prefetch(server: TiersServer, monkeypatch: pytest.MonkeyPatch) -> It
     def wait(handle: int, timeout: float) -> None:
         never.wait(timeout)  # the whole wait: the answer comes at the server's deadline
 
-    monkeypatch.setattr(storage, "start_prefetch", lambda keys, *, readers=1: (HANDLE, None))
+    monkeypatch.setattr(storage, "start_prefetch", lambda keys, **options: (HANDLE, None))
     monkeypatch.setattr(storage, "query_prefetch", lambda handle: None)
     monkeypatch.setattr(storage, "wait_prefetch", wait)
     monkeypatch.setattr(storage, "discard_prefetch", lambda handle: None)

@@ -83,7 +83,7 @@ def _stall_prefetch(server: TiersServer, monkeypatch: pytest.MonkeyPatch, end: C
         end()
         return 0
 
-    monkeypatch.setattr(storage, "start_prefetch", lambda keys, *, readers=1: (HANDLE, None))
+    monkeypatch.setattr(storage, "start_prefetch", lambda keys, **options: (HANDLE, None))
     monkeypatch.setattr(storage, "query_prefetch", lambda handle: None)
     monkeypatch.setattr(storage, "wait_prefetch", wait)
     monkeypatch.setattr(storage, "discard_prefetch", lambda handle: None)
